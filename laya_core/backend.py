@@ -1,0 +1,105 @@
+"""The backend contract: load a model, run one batched step, free a sequence.
+
+A backend is step-based. The engine calls :meth:`Backend.step` with one :class:`StepItem` per
+scheduled sequence (prompt chunks of new sequences and one token for each decoding one), and
+the backend runs them together. Sequences are named by *slot*, an integer in
+``0 .. max_num_seqs-1`` that the scheduler hands out and takes back.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import attrs
+
+from laya_core.types import SamplingParams
+
+
+@attrs.frozen
+class ModelConfig:
+    """One ``[[models]]`` entry of the manifest, validated, with its path resolved."""
+
+    name: str
+    backend: str
+    path: str
+    max_seq_len: int | None = None  # None: the smaller of 4096 and the model's own
+    max_num_seqs: int = 4
+    replicas: int = 1
+    max_step_tokens: int = 512
+    scheduler: str = "fcfs"
+    cache_policy: str = "blocks"
+    options: dict[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class ModelInfo:
+    """What the core needs to know about a loaded model."""
+
+    n_ctx_train: int
+    vocab_size: int
+    eog_token_ids: frozenset[int]
+    chat_template: str | None
+    bos_token: str
+    eos_token: str
+    add_bos: bool
+    description: str = ""
+
+
+@attrs.frozen
+class StepItem:
+    """Feed ``tokens`` to sequence ``slot`` at positions ``start_pos ..``; sample if asked."""
+
+    slot: int
+    tokens: Sequence[int]
+    start_pos: int
+    sample: bool
+
+
+class Backend(abc.ABC):
+    """A model runtime. Subclasses are registered through ``register_backends``.
+
+    Construction must be cheap and must not import the runtime's library; ``load`` does the
+    heavy work. All methods except ``__init__`` are called from the replica's engine thread
+    (or, for tokenization, under the engine's tokenizer lock).
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+
+    @abc.abstractmethod
+    def load_weights(self) -> ModelInfo:
+        """Load the model's weights and vocabulary; no KV cache yet."""
+
+    @abc.abstractmethod
+    def allocate_cache(self, *, n_ctx: int, max_num_seqs: int) -> None:
+        """Allocate the fixed KV pool: ``n_ctx`` tokens shared by ``max_num_seqs`` slots."""
+
+    @abc.abstractmethod
+    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+        """Text to token ids; special-token markup in ``text`` is parsed as special tokens."""
+
+    @abc.abstractmethod
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of one token's text; may end in the middle of a UTF-8 character."""
+
+    @abc.abstractmethod
+    def start_sequence(self, slot: int, params: SamplingParams) -> None:
+        """Prepare ``slot`` for a new sequence (its sampler, an empty KV range)."""
+
+    @abc.abstractmethod
+    def step(self, items: Sequence[StepItem]) -> list[int | None]:
+        """Run all items in one batched forward pass.
+
+        Returns one entry per item: the sampled token id where ``item.sample``, else ``None``.
+        """
+
+    @abc.abstractmethod
+    def free_sequence(self, slot: int) -> None:
+        """Drop the KV cache and sampler state of ``slot``."""
+
+    def close(self) -> None:
+        """Release the model; the backend is not used afterwards."""

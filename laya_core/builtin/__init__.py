@@ -1,0 +1,1 @@
+"""The core's own plugins, registered exactly as third-party plugins are."""

@@ -1,0 +1,288 @@
+"""The engine of one model replica: a thread looping schedule -> backend.step -> publish.
+
+Model compute never runs on the asyncio loop. Requests enter through a thread-safe inbox;
+tokens leave through ``loop.call_soon_threadsafe`` into each request's asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import attrs
+
+from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem
+from laya_core.cache import CachePolicy
+from laya_core.detokenizer import IncrementalDetokenizer
+from laya_core.scheduler import Chunk, Scheduler, SchedulerConfig
+from laya_core.sequence import Sequence
+from laya_core.types import FinishReason, SamplingParams, Timing, TokenEvent
+
+log = logging.getLogger(__name__)
+DEFAULT_MAX_SEQ_LEN = 4096
+_IDLE_POLL_S = 0.5
+
+
+class EngineState(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+class RequestTooLongError(ValueError):
+    """Prompt plus max_tokens exceeds what one sequence may hold."""
+
+
+@attrs.define(eq=False)
+class _Live:
+    """Engine-side state of a sequence besides its tokens: where its events go, its text."""
+
+    seq: Sequence
+    sink: Callable[[TokenEvent], None]
+    detokenizer: IncrementalDetokenizer
+
+
+class GenerationStream:
+    """The asyncio side of one request: an async iterator of :class:`TokenEvent`."""
+
+    def __init__(self, engine: Engine, seq: Sequence) -> None:
+        self.engine = engine
+        self.seq = seq
+        self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self) -> GenerationStream:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self.finished:
+            raise StopAsyncIteration
+        event = await self.queue.get()
+        self.finished = event.finish_reason is not None
+        return event
+
+    def cancel(self) -> None:
+        """Leave the batch at the next step; safe to call at any time, more than once."""
+        if not self.finished:
+            self.engine.cancel(self.seq.seq_id)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.seq.num_prompt_tokens
+
+
+class Engine:
+    """Drives one backend instance. Create, ``start()``, then ``submit`` from the asyncio loop."""
+
+    _ids = itertools.count()
+
+    def __init__(self, config: ModelConfig, backend: Backend,
+                 scheduler_cls: type[Scheduler], cache_cls: type[CachePolicy],
+                 replica_id: int = 0) -> None:
+        self.config = config
+        self.backend = backend
+        self.replica_id = replica_id
+        self._scheduler_cls = scheduler_cls
+        self._cache_cls = cache_cls
+        self.state = EngineState.LOADING
+        self.error: str | None = None
+        self.info: ModelInfo | None = None
+        self.max_seq_len = 0
+        self.scheduler: Scheduler | None = None
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._live: dict[int, _Live] = {}
+        self._ready = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"laya-engine-{config.name}-{replica_id}", daemon=True)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until loading ended (ready or failed); returns whether it is ready."""
+        self._ready.wait(timeout)
+        return self.state is EngineState.READY
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._inbox.put(("stop", None))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- the asyncio side --------------------------------------------------------------------
+
+    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise :class:`RequestTooLongError` when the request can never fit one sequence."""
+        if num_prompt_tokens + max_tokens > self.max_seq_len:
+            raise RequestTooLongError(
+                f"the prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}: "
+                f"{num_prompt_tokens + max_tokens} tokens in all, more than this model's "
+                f"max_seq_len of {self.max_seq_len}; shorten the prompt or lower max_tokens")
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams,
+               loop: asyncio.AbstractEventLoop | None = None) -> GenerationStream:
+        """Queue a request; call from the event loop that will read the stream."""
+        if self.state is not EngineState.READY:
+            raise RuntimeError(f"engine {self.config.name}/{self.replica_id} is {self.state.value}")
+        if not prompt_token_ids:
+            raise ValueError("the prompt must hold at least one token")
+        self.check_request(len(prompt_token_ids), params.max_tokens)
+        loop = loop or asyncio.get_running_loop()
+        seq = Sequence(next(self._ids), list(prompt_token_ids), params)
+        stream = GenerationStream(self, seq)
+
+        def sink(event: TokenEvent) -> None:
+            loop.call_soon_threadsafe(stream.queue.put_nowait, event)
+
+        detok = IncrementalDetokenizer(self.backend.token_bytes, params.stop)
+        self._inbox.put(("add", _Live(seq, sink, detok)))
+        return stream
+
+    def cancel(self, seq_id: int) -> None:
+        self._inbox.put(("cancel", seq_id))
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running) if self.scheduler else 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) if self.scheduler else 0
+
+    @property
+    def kv_usage(self) -> float:
+        return self.scheduler.cache.usage if self.scheduler else 0.0
+
+    # -- the engine thread -------------------------------------------------------------------
+
+    def _load(self) -> None:
+        self.info = self.backend.load_weights()
+        self.max_seq_len = self.config.max_seq_len or min(DEFAULT_MAX_SEQ_LEN,
+                                                          self.info.n_ctx_train)
+        pool_tokens = self.max_seq_len * self.config.max_num_seqs
+        cache = self._cache_cls(pool_tokens)
+        self.backend.allocate_cache(n_ctx=cache.capacity_tokens,
+                                    max_num_seqs=self.config.max_num_seqs)
+        sched_config = SchedulerConfig(self.config.max_num_seqs, self.config.max_step_tokens)
+        self.scheduler = self._scheduler_cls(sched_config, cache)
+
+    def _run(self) -> None:
+        try:
+            self._load()
+        except Exception as e:  # noqa: BLE001 - any load failure is reported, not raised
+            log.exception("loading %s failed", self.config.name)
+            self.error = f"{type(e).__name__}: {e}"
+            self.state = EngineState.FAILED
+            self._ready.set()
+            return
+        self.state = EngineState.READY
+        self._ready.set()
+        try:
+            while self._drain_inbox(block=not self.scheduler.has_work):  # type: ignore[union-attr]
+                self._step()
+        finally:
+            self.state = EngineState.STOPPED
+            for live in list(self._live.values()):
+                self._finish(live, FinishReason.CANCELLED, "")
+            self.backend.close()
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply queued adds and cancels; returns False once asked to stop."""
+        while True:
+            try:
+                kind, payload = self._inbox.get(timeout=_IDLE_POLL_S) if block \
+                    else self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+            block = False
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._add(payload)  # type: ignore[arg-type]
+            elif kind == "cancel" and (live := self._live.get(payload)) is not None:  # type: ignore[arg-type]
+                self._finish(live, FinishReason.CANCELLED, "")
+
+    def _add(self, live: _Live) -> None:
+        assert self.scheduler is not None
+        try:
+            self.scheduler.add(live.seq)
+        except ValueError as e:
+            live.sink(TokenEvent("", (), FinishReason.ERROR, str(e)))
+            return
+        self._live[live.seq.seq_id] = live
+
+    def _step(self) -> None:
+        assert self.scheduler is not None
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return
+        for c in chunks:
+            if c.start_pos == 0:
+                self.backend.start_sequence(c.seq.slot, c.seq.params)  # type: ignore[arg-type]
+        items = [StepItem(c.seq.slot, c.tokens, c.start_pos, c.samples)  # type: ignore[arg-type]
+                 for c in chunks]
+        try:
+            sampled = self.backend.step(items)
+        except Exception as e:  # noqa: BLE001 - fail the step's sequences, keep serving
+            log.exception("backend step failed")
+            for c in chunks:
+                self._finish(self._live[c.seq.seq_id], FinishReason.ERROR, "",
+                             f"{type(e).__name__}: {e}")
+            return
+        for c, token in zip(chunks, sampled, strict=True):
+            c.seq.num_computed += len(c.tokens)
+            if token is not None:
+                self._on_token(self._live[c.seq.seq_id], c, token)
+
+    def _on_token(self, live: _Live, chunk: Chunk, token: int) -> None:
+        seq = live.seq
+        seq.output_token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        assert self.info is not None
+        params = seq.params
+        finish: FinishReason | None = None
+        if (token in self.info.eog_token_ids and not params.ignore_eos) \
+                or token in params.stop_token_ids:
+            text, finish = live.detokenizer.flush(), FinishReason.STOP
+        else:
+            text, stopped = live.detokenizer.add(token)
+            if stopped:
+                finish = FinishReason.STOP
+            elif len(seq.output_token_ids) >= params.max_tokens \
+                    or seq.num_tokens >= self.max_seq_len:
+                text, finish = text + live.detokenizer.flush(), FinishReason.LENGTH
+        if finish is None:
+            live.sink(TokenEvent(text, (token,)))
+        else:
+            self._finish(live, finish, text, token_ids=(token,))
+
+    def _finish(self, live: _Live, reason: FinishReason, text: str, error: str | None = None,
+                token_ids: tuple[int, ...] = ()) -> None:
+        seq = live.seq
+        assert self.scheduler is not None
+        slot = seq.slot
+        was_running = seq.admitted_time is not None
+        self.scheduler.finish(seq)
+        if was_running and slot is not None:
+            self.backend.free_sequence(slot)
+        seq.finish_reason = reason
+        seq.finished_time = time.perf_counter()
+        del self._live[seq.seq_id]
+        live.sink(TokenEvent(text, token_ids, reason, error, _timing(seq)))
+
+
+def _timing(seq: Sequence) -> Timing:
+    end = seq.finished_time or time.perf_counter()
+    admitted = seq.admitted_time or end
+    first = seq.first_token_time or end
+    return Timing(queue_s=admitted - seq.arrival_time, prefill_s=first - admitted,
+                  decode_s=end - first)

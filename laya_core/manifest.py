@@ -1,0 +1,269 @@
+"""The deployment manifest: TOML in, validated attrs objects out.
+
+Every problem names its key path (``models[0].max_seq_len``) and says what to do; the CLI
+prints it and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from laya_core.backend import ModelConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 is not supported, kept for tools that read this file
+    import tomli as tomllib
+
+EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
+DEFAULT_MAX_SEQ_LEN = 4096
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?\s*$")
+_UNITS = {
+    None: 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+}
+
+
+class ManifestError(Exception):
+    """A manifest problem; ``key`` is the path of the offending key."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}" if key else message)
+        self.key = key
+        self.message = message
+
+
+@attrs.frozen
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()
+    max_body_bytes: int = 4 * 2**20
+
+
+@attrs.frozen
+class MemoryConfig:
+    budget_bytes: int | None = None  # None: "auto", decided from the machine
+
+
+@attrs.frozen
+class RouterConfig:
+    impl: str | None = None  # None: "cpp" when installed, else "python"
+
+
+@attrs.frozen
+class Manifest:
+    server: ServerConfig
+    memory: MemoryConfig
+    router: RouterConfig
+    models: tuple[ModelConfig, ...]
+    source: str = "<default>"
+
+
+def parse_size(text: str | int, key: str) -> int:
+    """``"12GiB"``, ``"512 MiB"`` or a number of bytes, to bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value, unit = float(text), None
+    elif isinstance(text, str) and (m := _SIZE_RE.match(text)):
+        value, unit = float(m.group(1)), m.group(2)
+    else:
+        raise ManifestError(key, f'expected a size such as "12GiB" or "512MiB", got {text!r}')
+    if value <= 0:
+        raise ManifestError(key, f"a size must be positive, got {text!r}")
+    return int(value * _UNITS[unit])
+
+
+class _Table:
+    """Reads typed keys from one TOML table and complains about the ones left over."""
+
+    def __init__(self, data: Any, path: str) -> None:
+        if not isinstance(data, Mapping):
+            raise ManifestError(path, f"expected a table, got {type(data).__name__}")
+        self.data = dict(data)
+        self.path = path
+
+    def key(self, name: str) -> str:
+        return f"{self.path}.{name}" if self.path else name
+
+    def get(self, name: str, kind: type | tuple[type, ...], default: Any = None,
+            required: bool = False, check: Callable[[Any], str | None] | None = None) -> Any:
+        if name not in self.data:
+            if required:
+                raise ManifestError(self.key(name), "is required")
+            return default
+        value = self.data.pop(name)
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+            names = " or ".join(k.__name__ for k in kinds)
+            raise ManifestError(self.key(name), f"expected {names}, got {value!r}")
+        problem = check(value) if check else None
+        if problem:
+            raise ManifestError(self.key(name), problem)
+        return value
+
+    def int_in(self, name: str, low: int, high: int, default: int | None) -> Any:
+        def check(v: int) -> str | None:
+            return None if low <= v <= high else f"must be between {low} and {high}, got {v}"
+        return self.get(name, int, default, check=check)
+
+    def finish(self, known: tuple[str, ...]) -> None:
+        for name in self.data:
+            hint = f"; known keys: {', '.join(known)}" if known else ""
+            raise ManifestError(self.key(name), f"unknown key{hint}")
+
+
+def _non_empty(v: str) -> str | None:
+    return None if v.strip() else "must not be empty"
+
+
+def _server(data: Any) -> ServerConfig:
+    t = _Table(data, "server")
+    host = t.get("host", str, "127.0.0.1", check=_non_empty)
+    port = t.int_in("port", 0, 65535, 8000)
+    keys = list(t.get("api_keys", list, []))
+    for i, k in enumerate(keys):
+        if not isinstance(k, str) or len(k) < 8:
+            raise ManifestError(f"server.api_keys[{i}]", "an API key is a string of 8+ characters")
+    env = t.get("api_keys_env", str)
+    if env is not None:
+        import os
+
+        value = os.environ.get(env)
+        if not value:
+            raise ManifestError("server.api_keys_env", f"environment variable {env} is not set")
+        keys += [k.strip() for k in value.split(",") if k.strip()]
+    key_file = t.get("api_keys_file", str)
+    if key_file is not None:
+        try:
+            lines = Path(key_file).expanduser().read_text().splitlines()
+        except OSError as e:
+            raise ManifestError("server.api_keys_file", f"cannot read {key_file}: {e}") from e
+        keys += [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    body = t.get("max_body_bytes", (int, str), 4 * 2**20)
+    t.finish(("host", "port", "api_keys", "api_keys_env", "api_keys_file", "max_body_bytes"))
+    return ServerConfig(host, port, tuple(keys), parse_size(body, "server.max_body_bytes"))
+
+
+def _memory(data: Any) -> MemoryConfig:
+    t = _Table(data, "memory")
+    budget = t.get("budget", (str, int), "auto")
+    t.finish(("budget",))
+    if budget == "auto":
+        return MemoryConfig(None)
+    return MemoryConfig(parse_size(budget, "memory.budget"))
+
+
+def _router(data: Any) -> RouterConfig:
+    t = _Table(data, "router")
+    impl = t.get("impl", str)
+    t.finish(("impl",))
+    return RouterConfig(impl)
+
+
+_MODEL_KEYS = ("name", "backend", "path", "max_seq_len", "max_num_seqs", "replicas",
+               "max_step_tokens", "scheduler", "cache_policy", "options")
+
+
+def _model(data: Any, index: int, base_dir: Path) -> ModelConfig:
+    t = _Table(data, f"models[{index}]")
+    name = t.get("name", str, required=True,
+                 check=lambda v: None if _NAME_RE.match(v) else
+                 "use 1-128 letters, digits and . _ : / - (starting with a letter or digit)")
+    backend = t.get("backend", str, "llamacpp", check=_non_empty)
+    path = t.get("path", str, required=True, check=_non_empty)
+    if not path.startswith("embedded:"):
+        p = Path(path).expanduser()
+        path = str(p if p.is_absolute() else (base_dir / p))
+    max_seq_len = t.int_in("max_seq_len", 16, 1 << 20, None)
+    max_num_seqs = t.int_in("max_num_seqs", 1, 256, 4)
+    replicas = t.int_in("replicas", 1, 64, 1)
+    max_step_tokens = t.int_in("max_step_tokens", 1, 65536, 512)
+    if max_step_tokens < max_num_seqs:
+        raise ManifestError(t.key("max_step_tokens"),
+                            f"must be at least max_num_seqs ({max_num_seqs}) so every running "
+                            "sequence can decode each step")
+    scheduler = t.get("scheduler", str, "fcfs", check=_non_empty)
+    cache_policy = t.get("cache_policy", str, "blocks", check=_non_empty)
+    options = dict(t.get("options", dict, {}))
+    t.finish(_MODEL_KEYS)
+    return ModelConfig(name, backend, path, max_seq_len, max_num_seqs, replicas,
+                       max_step_tokens, scheduler, cache_policy, options)
+
+
+def from_dict(data: Mapping[str, Any], source: str = "<dict>",
+              base_dir: Path | None = None) -> Manifest:
+    """Validate a manifest already parsed from TOML. Paths are relative to ``base_dir``."""
+    t = _Table(data, "")
+    server = _server(t.get("server", dict, {}))
+    memory = _memory(t.get("memory", dict, {}))
+    router = _router(t.get("router", dict, {}))
+    raw_models = t.get("models", list, required=True)
+    t.finish(("server", "memory", "router", "models"))
+    if not raw_models:
+        raise ManifestError("models", "list at least one [[models]] entry")
+    models = tuple(_model(m, i, base_dir or Path.cwd()) for i, m in enumerate(raw_models))
+    seen: dict[str, int] = {}
+    for i, m in enumerate(models):
+        if m.name in seen:
+            raise ManifestError(f"models[{i}].name",
+                                f"{m.name!r} is already the name of models[{seen[m.name]}]")
+        seen[m.name] = i
+    return Manifest(server, memory, router, models, source)
+
+
+def load(path: str | Path) -> Manifest:
+    """Read and validate a manifest file."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ManifestError("", f"cannot read manifest {p}: {e.strerror or e}") from e
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ManifestError("", f"{p} is not valid TOML: {e}") from e
+    return from_dict(data, str(p), p.resolve().parent)
+
+
+def default_manifest(host: str = "127.0.0.1", port: int = 8000) -> Manifest:
+    """What ``laya serve`` runs with no manifest: the embedded model, safe defaults."""
+    model = ModelConfig(name="smollm2", backend="llamacpp", path=EMBEDDED_MODEL)
+    return Manifest(ServerConfig(host, port), MemoryConfig(), RouterConfig(), (model,))
+
+
+def resolve(manifest: Manifest, registry: Any) -> Manifest:
+    """Check backends, schedulers and routers against the loaded plugins and find model files.
+
+    ``registry`` is a :class:`laya_core.plugins.Registry`. Returns the manifest with every model
+    path resolved to a file.
+    """
+    if manifest.router.impl is not None and manifest.router.impl not in registry.routers:
+        known = ", ".join(sorted(registry.routers))
+        raise ManifestError("router.impl",
+                            f"no router {manifest.router.impl!r} is installed; known: {known}")
+    models = []
+    for i, m in enumerate(manifest.models):
+        for key, family in (("backend", registry.backends), ("scheduler", registry.schedulers),
+                            ("cache_policy", registry.cache_policies)):
+            chosen = getattr(m, key)
+            if chosen not in family:
+                known = ", ".join(sorted(family)) or "none"
+                raise ManifestError(f"models[{i}].{key}",
+                                    f"no {key.replace('_', ' ')} {chosen!r} is installed "
+                                    f"(installed: {known}); install its plugin or fix the name")
+        try:
+            resolved = registry.resolve_model_path(m.path)
+        except LookupError as e:
+            raise ManifestError(f"models[{i}].path", str(e)) from e
+        path = resolved or m.path
+        if not Path(path).exists():
+            raise ManifestError(f"models[{i}].path", f"no such file: {path}")
+        models.append(attrs.evolve(m, path=path))
+    return attrs.evolve(manifest, models=tuple(models))

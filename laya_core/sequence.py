@@ -1,0 +1,69 @@
+"""One generation request as the engine sees it: tokens, progress, and its place in the cache."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import attrs
+
+from laya_core.types import FinishReason, SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@attrs.define(eq=False)
+class Sequence:
+    """A prompt and what has been generated from it.
+
+    ``num_computed`` counts the leading tokens whose keys and values are in the KV cache. The
+    last sampled token is never computed until the next step feeds it, so a decoding sequence
+    has exactly one token left to compute and a prefilling one has several.
+    """
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = attrs.field(factory=time.perf_counter)
+    output_token_ids: list[int] = attrs.field(factory=list)
+    num_computed: int = 0
+    slot: int | None = None
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # Timestamps (perf_counter seconds) for per-layer timing.
+    admitted_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed < self.num_prompt_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most KV cache this sequence can ever hold, in tokens."""
+        return self.num_prompt_tokens + self.params.max_tokens
+
+    def tokens_to_compute(self, limit: int) -> list[int]:
+        """The next tokens to feed the model, at most ``limit`` of them."""
+        start = self.num_computed
+        if start < self.num_prompt_tokens:
+            return self.prompt_token_ids[start : start + limit]
+        out_start = start - self.num_prompt_tokens
+        return self.output_token_ids[out_start : out_start + limit]

@@ -1,0 +1,55 @@
+"""Runs a deployment behind Hypercorn until SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from hypercorn.asyncio import serve as hypercorn_serve
+from hypercorn.config import Config
+
+from laya_core.deployment import Deployment
+from laya_core.http import create_app
+from laya_core.manifest import Manifest
+from laya_core.plugins import Registry
+
+log = logging.getLogger("laya")
+
+
+def hypercorn_config(manifest: Manifest) -> Config:
+    config = Config()
+    host = manifest.server.host
+    config.bind = [f"[{host}]:{manifest.server.port}" if ":" in host
+                   else f"{host}:{manifest.server.port}"]
+    config.accesslog = None
+    config.graceful_timeout = 10.0
+    return config
+
+
+async def _serve(deployment: Deployment) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    app = create_app(deployment)
+    await hypercorn_serve(app, hypercorn_config(deployment.manifest),  # type: ignore[arg-type]
+                          shutdown_trigger=stop.wait)
+
+
+def serve(manifest: Manifest, registry: Registry) -> int:
+    """Load every replica, serve HTTP, and return an exit status."""
+    deployment = Deployment(manifest, registry)
+    deployment.start()
+    server = manifest.server
+    print(f"laya: loading {len(deployment.engines)} replica(s); serving on "
+          f"http://{server.host}:{server.port} (router: {deployment.router_name})", flush=True)
+    try:
+        asyncio.run(_serve(deployment))
+    finally:
+        deployment.stop()
+    failed = [e for e in deployment.engines if e.error]
+    for engine in failed:
+        print(f"laya: {engine.config.name} replica {engine.replica_id} failed to load: "
+              f"{engine.error}", flush=True)
+    return 1 if failed else 0

@@ -1,0 +1,76 @@
+"""The vocabulary shared by the HTTP layer, the engine and the backends."""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+
+def _non_negative(instance: object, attribute: attrs.Attribute, value: float | None) -> None:
+    if value is not None and value < 0:
+        raise ValueError(f"{attribute.name} must be >= 0, got {value}")
+
+
+def _probability(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{attribute.name} must be between 0 and 1, got {value}")
+
+
+@attrs.frozen
+class SamplingParams:
+    """How one sequence picks its tokens. ``temperature == 0`` means greedy."""
+
+    max_tokens: int = attrs.field(default=16, validator=attrs.validators.ge(1))
+    temperature: float = attrs.field(default=1.0, validator=_non_negative)
+    top_p: float = attrs.field(default=1.0, validator=_probability)
+    top_k: int = attrs.field(default=0, validator=attrs.validators.ge(0))  # 0: no top-k cut
+    min_p: float = attrs.field(default=0.0, validator=_probability)
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    # Token ids that end the sequence besides the model's own end-of-generation tokens.
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class FinishReason(enum.Enum):
+    """Why a sequence ended; the values are the OpenAI API's."""
+
+    STOP = "stop"  # end-of-generation token or a stop string
+    LENGTH = "length"  # max_tokens or the context length reached
+    CANCELLED = "cancelled"  # the client went away; never sent to a client
+    ERROR = "error"  # the backend failed on this sequence
+
+
+@attrs.frozen
+class TokenEvent:
+    """What one engine step produced for one sequence, sent to the request's asyncio side."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    timing: Timing | None = None  # set on the final event
+
+
+@attrs.frozen
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@attrs.frozen
+class Timing:
+    """Where one request's time went, in seconds."""
+
+    queue_s: float  # arrival until admitted to the batch
+    prefill_s: float  # admitted until its first token
+    decode_s: float  # first token until the last

@@ -1,0 +1,186 @@
+"""The llama.cpp backend: every scheduled sequence of a replica in one ``llama_decode``.
+
+Each slot is a llama.cpp sequence id; a step fills one ``llama_batch`` with the prompt chunks
+of new sequences and one token for each decoding sequence, and only rows that end a chunk ask
+for logits. ``llama_cpp`` is imported in ``load_weights``, never at import time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from laya_core.backend import Backend, ModelInfo, StepItem
+from laya_core.types import SamplingParams
+
+from laya_backend_llamacpp import sampling
+
+_GGML_LOG_LEVEL_ERROR = 4
+_FLASH_ATTN = {"auto": -1, False: 0, True: 1}  # llama_flash_attn_type
+_PIECE_BUF = 256  # bytes; the longest token piece of common vocabularies is far shorter
+
+
+def _llama() -> Any:
+    import llama_cpp
+
+    return llama_cpp
+
+
+_log_callback: Any = None  # kept alive: llama.cpp holds a raw pointer to it
+
+
+def _silence_llama_logs(ll: Any) -> None:
+    """llama.cpp logs every tensor at load; keep errors, drop the rest."""
+    global _log_callback
+    if _log_callback is not None:
+        return
+
+    @ll.llama_log_callback
+    def callback(level: int, text: bytes, user_data: Any) -> None:
+        if level == _GGML_LOG_LEVEL_ERROR:
+            os.write(2, text)
+
+    _log_callback = callback
+    ll.llama_log_set(callback, ctypes.c_void_p(0))
+
+
+class LlamaCppBackend(Backend):
+    """llama.cpp through llama-cpp-python's low-level C API.
+
+    Options (``[models.options]``): ``n_threads`` (default: all cores), ``use_mmap`` (true),
+    ``flash_attn`` (``"auto"``, true or false; default ``"auto"``).
+    """
+
+    name = "llamacpp"
+
+    _model: Any = None
+    _ctx: Any = None
+    _batch: Any = None
+
+    def load_weights(self) -> ModelInfo:
+        ll = self._ll = _llama()
+        _silence_llama_logs(ll)
+        ll.llama_backend_init()
+        params = ll.llama_model_default_params()
+        params.use_mmap = bool(self.config.options.get("use_mmap", True))
+        self._model = ll.llama_model_load_from_file(self.config.path.encode(), params)
+        if not self._model:
+            raise RuntimeError(f"llama.cpp could not load {self.config.path}")
+        vocab = self._vocab = ll.llama_model_get_vocab(self._model)
+        n_vocab = ll.llama_vocab_n_tokens(vocab)
+        self._pieces: dict[int, bytes] = {}
+        template = ll.llama_model_chat_template(self._model, None)
+        desc = ctypes.create_string_buffer(256)
+        ll.llama_model_desc(self._model, desc, len(desc))
+        return ModelInfo(
+            n_ctx_train=ll.llama_model_n_ctx_train(self._model),
+            vocab_size=n_vocab,
+            eog_token_ids=frozenset(t for t in range(n_vocab) if ll.llama_vocab_is_eog(vocab, t)),
+            chat_template=template.decode("utf-8") if template else None,
+            bos_token=self._special_text(ll.llama_vocab_bos(vocab)),
+            eos_token=self._special_text(ll.llama_vocab_eos(vocab)),
+            add_bos=bool(ll.llama_vocab_get_add_bos(vocab)),
+            description=desc.value.decode("utf-8", "replace"),
+        )
+
+    def allocate_cache(self, *, n_ctx: int, max_num_seqs: int) -> None:
+        ll = self._ll
+        params = ll.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_seq_max = max_num_seqs
+        # One step feeds at most max_step_tokens tokens; a larger batch would only waste the
+        # compute buffer, whose size grows with n_ubatch.
+        params.n_batch = params.n_ubatch = self.config.max_step_tokens
+        threads = int(self.config.options.get("n_threads", os.cpu_count() or 1))
+        params.n_threads = params.n_threads_batch = threads
+        # All slots share one pool, so a long sequence may use what short ones leave free.
+        params.kv_unified = True
+        params.no_perf = True
+        params.flash_attn_type = _FLASH_ATTN[self.config.options.get("flash_attn", "auto")]
+        self._ctx = ll.llama_init_from_model(self._model, params)
+        if not self._ctx:
+            raise RuntimeError(f"llama.cpp could not create a context of {n_ctx} tokens")
+        self._mem = ll.llama_get_memory(self._ctx)
+        self._batch = ll.llama_batch_init(self.config.max_step_tokens, 0, 1)
+        self._samplers: dict[int, Any] = {}
+
+    def _special_text(self, token: int) -> str:
+        if token < 0:
+            return ""
+        text = self._ll.llama_vocab_get_text(self._vocab, token)
+        return text.decode("utf-8", "replace") if text else ""
+
+    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+        ll = self._ll
+        data = text.encode("utf-8")
+        capacity = len(data) + 16
+        while True:
+            out = (ll.llama_token * capacity)()
+            n = ll.llama_tokenize(self._vocab, data, len(data), out, capacity, add_special, True)
+            if n >= 0:
+                return list(out[:n])
+            capacity = -n
+
+    def token_bytes(self, token_id: int) -> bytes:
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            buf = ctypes.create_string_buffer(_PIECE_BUF)
+            # special=False: control tokens such as <|im_end|> render as nothing.
+            n = self._ll.llama_token_to_piece(self._vocab, token_id, buf, _PIECE_BUF, 0, False)
+            piece = self._pieces[token_id] = buf.raw[: max(n, 0)]
+        return piece
+
+    def start_sequence(self, slot: int, params: SamplingParams) -> None:
+        self._ll.llama_memory_seq_rm(self._mem, slot, -1, -1)
+        self._free_sampler(slot)
+        self._samplers[slot] = sampling.build_chain(self._ll, params)
+
+    def step(self, items: Sequence[StepItem]) -> list[int | None]:
+        ll, batch = self._ll, self._batch
+        rows: list[int | None] = []
+        n = 0
+        for item in items:
+            for j, token in enumerate(item.tokens):
+                batch.token[n] = token
+                batch.pos[n] = item.start_pos + j
+                batch.n_seq_id[n] = 1
+                batch.seq_id[n][0] = item.slot
+                batch.logits[n] = False
+                n += 1
+            if item.sample:
+                batch.logits[n - 1] = True
+            rows.append(n - 1 if item.sample else None)
+        batch.n_tokens = n
+        rc = ll.llama_decode(self._ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc} for a batch of {n} tokens")
+        return [None if row is None else
+                int(ll.llama_sampler_sample(self._samplers[item.slot], self._ctx, row))
+                for item, row in zip(items, rows, strict=True)]
+
+    def free_sequence(self, slot: int) -> None:
+        self._ll.llama_memory_seq_rm(self._mem, slot, -1, -1)
+        self._free_sampler(slot)
+
+    def _free_sampler(self, slot: int) -> None:
+        sampler = self._samplers.pop(slot, None)
+        if sampler is not None:
+            self._ll.llama_sampler_free(sampler)
+
+    def close(self) -> None:
+        ll = getattr(self, "_ll", None)
+        if ll is None:
+            return
+        for slot in list(getattr(self, "_samplers", {})):
+            self._free_sampler(slot)
+        if self._batch is not None:
+            ll.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            ll.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            ll.llama_model_free(self._model)
+            self._model = None
