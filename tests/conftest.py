@@ -1,0 +1,87 @@
+"""Shared fixtures: a real ``laya serve`` process on a loopback port, and small helpers."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """A ``laya serve`` subprocess; ``url`` is its base address."""
+
+    def __init__(self, manifest_text: str, workdir: Path, env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        manifest = workdir / "laya.toml"
+        manifest.write_text(manifest_text.replace("{port}", str(self.port)))
+        self.log_path = workdir / "server.log"
+        self._log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "laya_core.cli", "serve", str(manifest)],
+            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"server not ready after {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        try:
+            code = self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self._log.close()
+        return code
+
+
+SMOLLM_MANIFEST = """
+[server]
+host = "127.0.0.1"
+port = {port}
+
+[[models]]
+name = "smollm2"
+backend = "llamacpp"
+path = "embedded:smollm2-135m-instruct"
+max_seq_len = 1024
+max_num_seqs = 8
+"""
+
+
+@pytest.fixture(scope="session")
+def smollm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One real server of the embedded model for the whole session."""
+    server = ServerProcess(SMOLLM_MANIFEST, tmp_path_factory.mktemp("smollm_server"))
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        code = server.stop()
+    assert code == 0, f"server exited with {code}:\n{server.log()}"

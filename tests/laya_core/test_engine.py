@@ -1,0 +1,96 @@
+"""The engine thread with the toy backend: order, cancellation, limits, failures."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from toy_backend import ToyBackend
+
+from laya_core.backend import ModelConfig
+from laya_core.cache import BlockCachePolicy
+from laya_core.engine import Engine, RequestTooLongError
+from laya_core.scheduler import FcfsScheduler
+from laya_core.types import FinishReason, SamplingParams
+
+
+def engine(**config: object) -> Engine:
+    cfg = ModelConfig(name="toy", backend="toy", path="-", **{"max_seq_len": 64, **config})
+    e = Engine(cfg, ToyBackend(cfg), FcfsScheduler, BlockCachePolicy)
+    e.start()
+    assert e.wait_ready(5)
+    return e
+
+
+def test_cancel_leaves_at_the_next_step_and_frees_the_cache() -> None:
+    e = engine(max_num_seqs=2, options={"step_delay_s": 0.005})
+
+    async def go() -> tuple[list[str], FinishReason | None]:
+        stream = e.submit(list(b"abcdef"), SamplingParams(max_tokens=50))
+        texts = []
+        async for event in stream:
+            texts.append(event.text)
+            if len(texts) == 3:
+                stream.cancel()
+            if event.finish_reason:
+                return texts, event.finish_reason
+        return texts, None
+
+    texts, reason = asyncio.run(go())
+    assert reason is FinishReason.CANCELLED
+    assert len(texts) < 50
+    assert e.kv_usage == 0.0 and e.num_running == 0
+    assert not e.backend.fed  # type: ignore[attr-defined]
+    e.stop()
+
+
+def test_requests_longer_than_max_seq_len_are_refused_up_front() -> None:
+    e = engine()
+
+    async def go() -> None:
+        e.submit(list(b"x" * 60), SamplingParams(max_tokens=5))
+
+    with pytest.raises(RequestTooLongError, match="65 tokens"):
+        asyncio.run(go())
+    e.stop()
+
+
+def test_more_requests_than_slots_all_complete_in_full() -> None:
+    e = engine(max_num_seqs=2, max_step_tokens=4)
+
+    async def one(i: int) -> str:
+        prompt = f"<{i}>".encode()
+        stream = e.submit(list(prompt), SamplingParams(max_tokens=2 * len(prompt)))
+        return "".join([ev.text async for ev in stream])
+
+    async def go() -> list[str]:
+        return await asyncio.gather(*(one(i) for i in range(7)))
+
+    assert asyncio.run(go()) == [f"<{i}><{i}>" for i in range(7)]
+    e.stop()
+
+
+def test_a_failing_step_fails_its_sequences_and_the_engine_goes_on() -> None:
+    e = engine()
+    backend = e.backend
+    real_step = backend.step
+    calls = {"n": 0}
+
+    def flaky(items):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("device lost")
+        return real_step(items)
+
+    backend.step = flaky  # type: ignore[method-assign]
+
+    async def go() -> tuple[list, str]:
+        failed = [ev async for ev in e.submit(list(b"ab"), SamplingParams(max_tokens=3))]
+        ok = "".join([ev.text async for ev in e.submit(list(b"cd"), SamplingParams(max_tokens=3))])
+        return failed, ok
+
+    failed, ok = asyncio.run(go())
+    assert failed[-1].finish_reason is FinishReason.ERROR and "device lost" in failed[-1].error
+    assert ok == "cdc"
+    assert e.kv_usage == 0.0
+    e.stop()

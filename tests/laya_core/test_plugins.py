@@ -1,0 +1,111 @@
+"""Plugins load by family, and a plugin defined right here can be selected by a manifest."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+from toy_backend import ToyBackend
+
+from laya_core import manifest as mf
+from laya_core.deployment import Deployment
+from laya_core.hookspecs import hookimpl
+from laya_core.http import create_app
+from laya_core.plugins import PluginError, load_registry
+from laya_core.scheduler import FcfsScheduler
+
+
+class LifoScheduler(FcfsScheduler):
+    """Admits the newest waiting sequence first."""
+
+    def schedule(self):  # type: ignore[no-untyped-def]
+        self.waiting.reverse()
+        try:
+            return super().schedule()
+        finally:
+            self.waiting.reverse()
+
+
+class InTestPlugin:
+    @hookimpl
+    def register_backends(self, register):  # type: ignore[no-untyped-def]
+        register("toy", ToyBackend)
+
+    @hookimpl
+    def register_schedulers(self, register):  # type: ignore[no-untyped-def]
+        register("lifo", LifoScheduler)
+
+
+def test_builtin_and_entry_point_plugins_are_listed_with_their_source() -> None:
+    registry = load_registry()
+    assert registry.schedulers["fcfs"].source.startswith("builtin")
+    assert registry.cache_policies["blocks"].source.startswith("builtin")
+    assert registry.routers["python"].source.startswith("builtin")
+    assert registry.backends["llamacpp"].source.startswith("laya-backend-llamacpp")
+
+
+def test_registering_a_name_twice_is_an_error() -> None:
+    class Clash:
+        @hookimpl
+        def register_schedulers(self, register):  # type: ignore[no-untyped-def]
+            register("fcfs", LifoScheduler)
+
+    with pytest.raises(PluginError, match="'fcfs' is registered twice"):
+        load_registry([Clash()])
+
+
+def test_a_misspelt_hook_is_caught() -> None:
+    class Typo:
+        @hookimpl
+        def register_backend(self, register):  # type: ignore[no-untyped-def]
+            pass
+
+    with pytest.raises(Exception, match="unknown hook"):
+        load_registry([Typo()])
+
+
+@pytest.fixture
+def toy_deployment(tmp_path: Path):  # type: ignore[no-untyped-def]
+    registry = load_registry([InTestPlugin()])
+    weights = tmp_path / "toy.bin"
+    weights.write_bytes(b"")
+    manifest = mf.resolve(mf.from_dict({"models": [
+        {"name": "toy", "backend": "toy", "scheduler": "lifo", "path": str(weights),
+         "max_seq_len": 64, "max_num_seqs": 2, "max_step_tokens": 8}]}), registry)
+    deployment = Deployment(manifest, registry)
+    deployment.start()
+    assert deployment.wait_ready(10)
+    yield deployment
+    deployment.stop()
+
+
+def test_manifest_selects_in_test_plugins_end_to_end(toy_deployment: Deployment) -> None:
+    engine = toy_deployment.engines[0]
+    assert isinstance(engine.backend, ToyBackend)
+    assert isinstance(engine.scheduler, LifoScheduler)
+
+    async def go() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=create_app(toy_deployment))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            bodies = [{"model": "toy", "prompt": "héllo wörld", "max_tokens": 13},
+                      {"model": "toy", "prompt": "abc", "max_tokens": 40, "stop": ["ca"]},
+                      {"model": "toy", "prompt": "xy\x00", "max_tokens": 9}]
+            return await asyncio.gather(*(client.post("/v1/completions", json=b)
+                                          for b in bodies))
+
+    long, stopped, ended = asyncio.run(go())
+    # 13 byte-tokens of the repeated prompt; the split "é" and "ö" arrive whole.
+    assert long.json()["choices"][0]["text"] == "héllo wörld"
+    assert long.json()["choices"][0]["finish_reason"] == "length"
+    assert long.json()["usage"] == {"prompt_tokens": 13, "completion_tokens": 13,
+                                    "total_tokens": 26}
+    assert stopped.json()["choices"][0]["text"] == "ab"
+    assert stopped.json()["choices"][0]["finish_reason"] == "stop"
+    assert ended.json()["choices"][0]["text"] == "xy"
+    assert ended.json()["choices"][0]["finish_reason"] == "stop"
+    assert "prefill;dur=" in long.headers["server-timing"]
+    # Prompts of 13 tokens went through in chunks of the 8-token step budget.
+    assert max(sum(len(i.tokens) for i in step) for step in engine.backend.steps) == 8
+    assert engine.kv_usage == 0.0 and engine.num_running == 0

@@ -1,0 +1,103 @@
+from laya_core.cache import BlockCachePolicy
+from laya_core.scheduler import FcfsScheduler, SchedulerConfig
+from laya_core.sequence import Sequence, SequenceStatus
+from laya_core.types import SamplingParams
+
+_ids = iter(range(10**6))
+
+
+def seq(prompt_len: int, max_tokens: int = 4) -> Sequence:
+    return Sequence(next(_ids), list(range(1, prompt_len + 1)), SamplingParams(max_tokens))
+
+
+def scheduler(pool_tokens: int = 256, max_num_seqs: int = 4, step: int = 64) -> FcfsScheduler:
+    return FcfsScheduler(SchedulerConfig(max_num_seqs, step), BlockCachePolicy(pool_tokens, 16))
+
+
+def advance(chunks, token: int = 7) -> None:  # type: ignore[no-untyped-def]
+    """Apply a step as the engine does: count the fed tokens, append a sampled one."""
+    for c in chunks:
+        c.seq.num_computed += len(c.tokens)
+        if c.samples:
+            c.seq.output_token_ids.append(token)
+
+
+def test_admits_in_order_within_cache_and_slots() -> None:
+    s = scheduler(pool_tokens=64, max_num_seqs=2)
+    a, b, c = seq(20, 12), seq(10, 6), seq(1, 1)  # worst cases: 32, 16, 2 tokens
+    for x in (a, b, c):
+        s.add(x)
+    s.schedule()
+    assert [x.status for x in (a, b, c)] == [SequenceStatus.RUNNING] * 2 + [SequenceStatus.WAITING]
+    assert {a.slot, b.slot} == {0, 1}
+    assert s.cache.num_used_blocks == 2 + 1  # 32 tokens = 2 blocks, 16 = 1
+
+
+def test_head_of_line_waits_for_room() -> None:
+    s = scheduler(pool_tokens=64, max_num_seqs=4)
+    big, small = seq(40, 20), seq(30, 10)  # 60 then 40 tokens: 4 + 3 blocks of a 4-block pool
+    s.add(big)
+    s.add(small)
+    s.schedule()
+    assert big.status is SequenceStatus.RUNNING and small.status is SequenceStatus.WAITING
+    s.finish(big)
+    assert s.cache.num_used_blocks == 0
+    s.schedule()
+    assert small.status is SequenceStatus.RUNNING
+
+
+def test_decode_goes_first_and_prefill_is_chunked() -> None:
+    s = scheduler(pool_tokens=1024, step=16)
+    short, long = seq(3), seq(40)
+    s.add(short)
+    chunks = s.schedule()
+    advance(chunks)
+    assert short.num_computed == 3 and short.output_token_ids == [7]
+    s.add(long)
+    chunks = s.schedule()
+    assert [(c.seq, len(c.tokens), c.start_pos) for c in chunks] == [(short, 1, 3), (long, 15, 0)]
+    assert chunks[0].samples and not chunks[1].samples
+    advance(chunks)
+    chunks = s.schedule()
+    assert [(c.seq, len(c.tokens)) for c in chunks] == [(short, 1), (long, 15)]
+    advance(chunks)
+    chunks = s.schedule()
+    assert [(c.seq, len(c.tokens), c.start_pos) for c in chunks] == [(short, 1, 5), (long, 10, 30)]
+    assert chunks[1].samples
+    assert chunks[1].tokens == long.prompt_token_ids[30:]
+
+
+def test_finish_frees_slot_and_cache_and_unknown_waiting_is_removed() -> None:
+    s = scheduler(max_num_seqs=1)
+    a, b = seq(5), seq(5)
+    s.add(a)
+    s.add(b)
+    s.schedule()
+    s.finish(b)  # still waiting
+    assert not s.waiting and b.status is SequenceStatus.FINISHED
+    s.finish(a)
+    assert not s.has_work and s.cache.num_used_blocks == 0
+    c = seq(5)
+    s.add(c)
+    s.schedule()
+    assert c.slot == 0
+
+
+def test_refuses_what_can_never_fit() -> None:
+    s = scheduler(pool_tokens=64)
+    try:
+        s.add(seq(60, 10))
+    except ValueError as e:
+        assert "70 tokens" in str(e)
+    else:
+        raise AssertionError("a sequence larger than the pool was accepted")
+
+
+def test_block_policy_accounting() -> None:
+    cache = BlockCachePolicy(100, 16)  # 6 whole blocks
+    assert cache.capacity_tokens == 96
+    cache.allocate(1, 17)
+    assert cache.num_used_blocks == 2 and cache.can_allocate(64) and not cache.can_allocate(65)
+    cache.free(1)
+    cache.free(1)  # freeing twice is harmless
+    assert cache.num_used_blocks == 0 and cache.usage == 0.0

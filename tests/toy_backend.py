@@ -1,0 +1,67 @@
+"""A tiny, exact backend for testing the engine without a model file.
+
+Its vocabulary is the 256 byte values plus an end token (256); tokenizing is UTF-8 encoding,
+so multi-byte characters arrive split across tokens. Its "model" repeats the prompt: the token
+at position p is ``prompt[p % len(prompt)]``, or the end token where the prompt holds a 0 byte.
+It keeps the tokens each slot was fed and checks every step is fed in order, so it also checks
+the engine's chunking and slot bookkeeping.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from laya_core.backend import Backend, ModelInfo, StepItem
+from laya_core.types import SamplingParams
+
+END = 256
+
+
+class ToyBackend(Backend):
+    name = "toy"
+
+    def load_weights(self) -> ModelInfo:
+        self.fed: dict[int, list[int]] = {}
+        self.prompt_len: dict[int, int] = {}
+        self.steps: list[list[StepItem]] = []
+        return ModelInfo(n_ctx_train=512, vocab_size=257, eog_token_ids=frozenset({END}),
+                         chat_template=None, bos_token="", eos_token="", add_bos=False)
+
+    def allocate_cache(self, *, n_ctx: int, max_num_seqs: int) -> None:
+        self.n_ctx = n_ctx
+        self.max_num_seqs = max_num_seqs
+
+    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return b"" if token_id == END else bytes([token_id])
+
+    def start_sequence(self, slot: int, params: SamplingParams) -> None:
+        assert 0 <= slot < self.max_num_seqs
+        assert slot not in self.fed, f"slot {slot} started twice"
+        self.fed[slot] = []
+
+    def step(self, items: Sequence[StepItem]) -> list[int | None]:
+        self.steps.append(list(items))
+        time.sleep(self.config.options.get("step_delay_s", 0.0))  # a model takes time
+        assert sum(len(i.tokens) for i in items) <= self.config.max_step_tokens
+        out: list[int | None] = []
+        for item in items:
+            history = self.fed[item.slot]
+            assert item.start_pos == len(history), "tokens fed out of order"
+            history.extend(item.tokens)
+            if not item.sample:
+                out.append(None)
+                continue
+            prompt_len = self.prompt_len.get(item.slot) or len(history)
+            self.prompt_len[item.slot] = prompt_len
+            token = history[len(history) % prompt_len]
+            out.append(END if token == 0 else token)
+        return out
+
+    def free_sequence(self, slot: int) -> None:
+        del self.fed[slot]
+        self.prompt_len.pop(slot, None)
+
