@@ -8,6 +8,7 @@ PORT ?= 8000
 ROUTER_SOURCES := $(shell find plugins/router_nanobind -type f \( -name '*.cpp' -o -name '*.h' \
 	-o -name '*.py' -o -name 'CMakeLists.txt' -o -name 'pyproject.toml' \) -not -path '*/build/*')
 STAMP := $(VENV)/.installed
+export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc)
 
 .PHONY: install serve test lint clean
 
