@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
 from laya_core.types import SamplingParams
+
+if TYPE_CHECKING:
+    from laya_core.memory_plan import MemoryProfile
+    from laya_core.model_files import ModelShape
 
 
 @attrs.frozen
@@ -25,11 +29,15 @@ class ModelConfig:
     backend: str
     path: str
     max_seq_len: int | None = None  # None: the smaller of 4096 and the model's own
-    max_num_seqs: int = 4
+    max_num_seqs: int | None = None  # None: 4, or what kv_cache_tokens holds
     replicas: int = 1
     max_step_tokens: int = 512
     scheduler: str = "fcfs"
     cache_policy: str = "blocks"
+    kv_cache_tokens: int | None = None  # the KV pool; None: max_seq_len x max_num_seqs
+    kv_cache_dtype: str = "f16"
+    max_queue: int = 64  # requests waiting for room; more get 429
+    queue_timeout_s: float = 30.0  # a request waiting longer gets 503
     options: dict[str, Any] = attrs.field(factory=dict)
 
 
@@ -66,9 +74,30 @@ class Backend(abc.ABC):
     """
 
     name: ClassVar[str]
+    # KV cache element types this backend can store (see memory_plan.KV_DTYPES).
+    kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("f16",)
 
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
+
+    @classmethod
+    def memory_profile(cls, config: ModelConfig, shape: ModelShape) -> MemoryProfile:
+        """What one replica costs, from the model's shape alone (nothing loaded).
+
+        ``config`` has its sizes decided. The default counts weights and KV exactly and a
+        generic compute buffer (one step's logits and activations, float32); backends that
+        know their allocator better override this.
+        """
+        from laya_core.memory_plan import MemoryProfile, Overhead, kv_bytes_per_token
+
+        step = config.max_step_tokens
+        compute = step * (shape.vocab_size + 4 * shape.hidden_size) * 4
+        return MemoryProfile(
+            weights_bytes=shape.weights_bytes, weights_source=shape.weights_source,
+            kv_bytes_per_token=kv_bytes_per_token(shape, config.kv_cache_dtype),
+            kv_dtype=config.kv_cache_dtype,
+            overheads=(Overhead("compute buffer", compute,
+                                f"generic: {step} step tokens x (vocab + 4 x hidden) x 4 B"),))
 
     @abc.abstractmethod
     def load_weights(self) -> ModelInfo:

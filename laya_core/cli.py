@@ -7,9 +7,14 @@ import logging
 import sys
 from collections.abc import Sequence
 
+import json
+from pathlib import Path
+
 from laya_core import manifest as mf
+from laya_core import planner, systemd
 from laya_core.plugins import FAMILIES, PluginError, Registry, load_registry
 
+EXIT_DOES_NOT_FIT = 1
 EXIT_MANIFEST = 2
 
 
@@ -44,10 +49,29 @@ def cmd_check(args: argparse.Namespace, registry: Registry) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace, registry: Registry) -> int:
+    manifest = mf.resolve(mf.load(args.manifest) if args.manifest else mf.default_manifest(),
+                          registry, need_backends=False)
+    plan = planner.make_plan(manifest, registry)
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=2))
+    elif args.systemd:
+        print(systemd.unit(plan, Path(args.manifest) if args.manifest else None), end="")
+    else:
+        print(planner.format_plan(plan))
+    return 0 if plan.fits else 1
+
+
 def cmd_serve(args: argparse.Namespace, registry: Registry) -> int:
     from laya_core.serve import serve
 
-    return serve(_load(args.manifest, registry, args.host, args.port), registry)
+    manifest = _load(args.manifest, registry, args.host, args.port)
+    plan = planner.make_plan(manifest, registry)
+    if not plan.fits:
+        print("laya: refusing to start: the plan does not fit its memory budget.\n"
+              f"{planner.format_plan(plan)}", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
+    return serve(planner.decided_manifest(manifest, plan), registry, plan)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="validate a manifest")
     check.add_argument("manifest")
     check.set_defaults(func=cmd_check)
+    plan = sub.add_parser("plan", help="print the memory ledger; exit 1 when it does not fit")
+    plan.add_argument("manifest", nargs="?")
+    out = plan.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="one JSON object")
+    out.add_argument("--systemd", action="store_true",
+                     help="a systemd unit with MemoryMax from the plan")
+    plan.set_defaults(func=cmd_plan)
     serve = sub.add_parser("serve", help="serve a manifest (default: the embedded model)")
     serve.add_argument("manifest", nargs="?")
     serve.add_argument("--host")

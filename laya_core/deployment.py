@@ -8,6 +8,7 @@ from laya_core.backend import ModelConfig
 from laya_core.chat_template import ChatTemplate
 from laya_core.engine import Engine, EngineState
 from laya_core.manifest import Manifest
+from laya_core.memory_plan import Plan
 from laya_core.plugins import Registry
 from laya_core.router import Router
 
@@ -21,9 +22,10 @@ class UnknownModelError(LookupError):
 class Deployment:
     """Builds one engine per replica from a resolved manifest; the HTTP app talks to this."""
 
-    def __init__(self, manifest: Manifest, registry: Registry) -> None:
+    def __init__(self, manifest: Manifest, registry: Registry, plan: Plan | None = None) -> None:
         self.manifest = manifest
         self.registry = registry
+        self.plan = plan
         router_name = manifest.router.impl or ("cpp" if "cpp" in registry.routers else "python")
         self.router_name = router_name
         self.router: Router = registry.routers[router_name].obj()

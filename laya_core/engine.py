@@ -20,12 +20,12 @@ import attrs
 from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem
 from laya_core.cache import CachePolicy
 from laya_core.detokenizer import IncrementalDetokenizer
+from laya_core.memory_plan import DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_SEQ_LEN
 from laya_core.scheduler import Chunk, Scheduler, SchedulerConfig
 from laya_core.sequence import Sequence
 from laya_core.types import FinishReason, SamplingParams, Timing, TokenEvent
 
 log = logging.getLogger(__name__)
-DEFAULT_MAX_SEQ_LEN = 4096
 _IDLE_POLL_S = 0.5
 
 
@@ -165,13 +165,14 @@ class Engine:
 
     def _load(self) -> None:
         self.info = self.backend.load_weights()
+        # A planned config has every size decided; a hand-made one gets the same defaults.
         self.max_seq_len = self.config.max_seq_len or min(DEFAULT_MAX_SEQ_LEN,
                                                           self.info.n_ctx_train)
-        pool_tokens = self.max_seq_len * self.config.max_num_seqs
+        num_seqs = self.config.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+        pool_tokens = self.config.kv_cache_tokens or self.max_seq_len * num_seqs
         cache = self._cache_cls(pool_tokens)
-        self.backend.allocate_cache(n_ctx=cache.capacity_tokens,
-                                    max_num_seqs=self.config.max_num_seqs)
-        sched_config = SchedulerConfig(self.config.max_num_seqs, self.config.max_step_tokens)
+        self.backend.allocate_cache(n_ctx=pool_tokens, max_num_seqs=num_seqs)
+        sched_config = SchedulerConfig(num_seqs, max(num_seqs, self.config.max_step_tokens))
         self.scheduler = self._scheduler_cls(sched_config, cache)
 
     def _run(self) -> None:

@@ -167,8 +167,10 @@ def _router(data: Any) -> RouterConfig:
     return RouterConfig(impl)
 
 
-_MODEL_KEYS = ("name", "backend", "path", "max_seq_len", "max_num_seqs", "replicas",
-               "max_step_tokens", "scheduler", "cache_policy", "options")
+_MODEL_KEYS = ("name", "backend", "path", "max_seq_len", "max_num_seqs", "kv_cache_tokens",
+               "kv_cache_dtype", "replicas", "max_step_tokens", "max_queue", "queue_timeout_s",
+               "scheduler", "cache_policy", "options")
+KV_CACHE_DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 
 
 def _model(data: Any, index: int, base_dir: Path) -> ModelConfig:
@@ -182,10 +184,22 @@ def _model(data: Any, index: int, base_dir: Path) -> ModelConfig:
         p = Path(path).expanduser()
         path = str(p if p.is_absolute() else (base_dir / p))
     max_seq_len = t.int_in("max_seq_len", 16, 1 << 20, None)
-    max_num_seqs = t.int_in("max_num_seqs", 1, 256, 4)
+    max_num_seqs = t.int_in("max_num_seqs", 1, 256, None)
+    kv_cache_tokens = t.int_in("kv_cache_tokens", 16, 1 << 30, None)
+    if kv_cache_tokens is not None and max_seq_len is not None and kv_cache_tokens < max_seq_len:
+        raise ManifestError(t.key("kv_cache_tokens"),
+                            f"{kv_cache_tokens} tokens cannot hold one sequence of max_seq_len "
+                            f"{max_seq_len}; raise it or lower max_seq_len")
+    kv_cache_dtype = t.get("kv_cache_dtype", str, "f16",
+                           check=lambda v: None if v in KV_CACHE_DTYPES else
+                           f"must be one of {', '.join(KV_CACHE_DTYPES)}")
     replicas = t.int_in("replicas", 1, 64, 1)
     max_step_tokens = t.int_in("max_step_tokens", 1, 65536, 512)
-    if max_step_tokens < max_num_seqs:
+    max_queue = t.int_in("max_queue", 0, 100_000, 64)
+    queue_timeout_s = t.get("queue_timeout_s", (int, float), 30.0,
+                            check=lambda v: None if 0 < v <= 3600 else
+                            "must be between 0 and 3600 seconds")
+    if max_num_seqs is not None and max_step_tokens < max_num_seqs:
         raise ManifestError(t.key("max_step_tokens"),
                             f"must be at least max_num_seqs ({max_num_seqs}) so every running "
                             "sequence can decode each step")
@@ -194,7 +208,8 @@ def _model(data: Any, index: int, base_dir: Path) -> ModelConfig:
     options = dict(t.get("options", dict, {}))
     t.finish(_MODEL_KEYS)
     return ModelConfig(name, backend, path, max_seq_len, max_num_seqs, replicas,
-                       max_step_tokens, scheduler, cache_policy, options)
+                       max_step_tokens, scheduler, cache_policy, kv_cache_tokens,
+                       kv_cache_dtype, max_queue, float(queue_timeout_s), options)
 
 
 def from_dict(data: Mapping[str, Any], source: str = "<dict>",
@@ -238,11 +253,12 @@ def default_manifest(host: str = "127.0.0.1", port: int = 8000) -> Manifest:
     return Manifest(ServerConfig(host, port), MemoryConfig(), RouterConfig(), (model,))
 
 
-def resolve(manifest: Manifest, registry: Any) -> Manifest:
+def resolve(manifest: Manifest, registry: Any, *, need_backends: bool = True) -> Manifest:
     """Check backends, schedulers and routers against the loaded plugins and find model files.
 
     ``registry`` is a :class:`laya_core.plugins.Registry`. Returns the manifest with every model
-    path resolved to a file.
+    path resolved to a file. ``need_backends=False`` lets a plan be made for a backend that is
+    not installed here.
     """
     if manifest.router.impl is not None and manifest.router.impl not in registry.routers:
         known = ", ".join(sorted(registry.routers))
@@ -253,11 +269,18 @@ def resolve(manifest: Manifest, registry: Any) -> Manifest:
         for key, family in (("backend", registry.backends), ("scheduler", registry.schedulers),
                             ("cache_policy", registry.cache_policies)):
             chosen = getattr(m, key)
+            if key == "backend" and not need_backends:
+                continue
             if chosen not in family:
                 known = ", ".join(sorted(family)) or "none"
                 raise ManifestError(f"models[{i}].{key}",
                                     f"no {key.replace('_', ' ')} {chosen!r} is installed "
                                     f"(installed: {known}); install its plugin or fix the name")
+        backend = registry.backends.get(m.backend)
+        if backend and m.kv_cache_dtype not in backend.obj.kv_cache_dtypes:
+            raise ManifestError(f"models[{i}].kv_cache_dtype",
+                                f"the {m.backend} backend cannot store a {m.kv_cache_dtype} KV "
+                                f"cache; it supports {', '.join(backend.obj.kv_cache_dtypes)}")
         try:
             resolved = registry.resolve_model_path(m.path)
         except LookupError as e:

@@ -12,6 +12,7 @@ from hypercorn.config import Config
 from laya_core.deployment import Deployment
 from laya_core.http import create_app
 from laya_core.manifest import Manifest
+from laya_core.memory_plan import Plan
 from laya_core.plugins import Registry
 
 log = logging.getLogger("laya")
@@ -37,9 +38,9 @@ async def _serve(deployment: Deployment) -> None:
                           shutdown_trigger=stop.wait)
 
 
-def serve(manifest: Manifest, registry: Registry) -> int:
+def serve(manifest: Manifest, registry: Registry, plan: Plan | None = None) -> int:
     """Load every replica, serve HTTP, and return an exit status."""
-    deployment = Deployment(manifest, registry)
+    deployment = Deployment(manifest, registry, plan)
     deployment.start()
     server = manifest.server
     print(f"laya: loading {len(deployment.engines)} replica(s); serving on "

@@ -22,7 +22,8 @@ def test_defaults_are_safe() -> None:
     (config,) = m.models
     assert config.backend == "llamacpp"
     assert config.max_seq_len is None  # decided at load: min(4096, the model's own)
-    assert config.max_num_seqs == 4 and config.replicas == 1
+    assert config.max_num_seqs is None  # decided by the plan: 4, or what kv_cache_tokens holds
+    assert config.replicas == 1 and config.kv_cache_dtype == "f16"
 
 
 @pytest.mark.parametrize(("models", "key", "words"), [

@@ -12,14 +12,18 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from laya_core.backend import Backend, ModelInfo, StepItem
+from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem
+from laya_core.memory_plan import MemoryProfile, Overhead, kv_bytes_per_token
+from laya_core.model_files import ModelShape
 from laya_core.types import SamplingParams
 
 from laya_backend_llamacpp import sampling
 
 _GGML_LOG_LEVEL_ERROR = 4
 _FLASH_ATTN = {"auto": -1, False: 0, True: 1}  # llama_flash_attn_type
-_PIECE_BUF = 256  # bytes; the longest token piece of common vocabularies is far shorter
+_PIECE_BUF = 256
+_VOCAB_BYTES_PER_TOKEN = 512
+_GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}  # enum ggml_type  # bytes; the longest token piece of common vocabularies is far shorter
 
 
 def _llama() -> Any:
@@ -65,6 +69,35 @@ class LlamaCppBackend(Backend):
     """
 
     name = "llamacpp"
+    kv_cache_dtypes = ("f16", "f32", "bf16", "q8_0", "q4_0")
+
+    @classmethod
+    def memory_profile(cls, config: ModelConfig, shape: ModelShape) -> MemoryProfile:
+        """llama.cpp's buffers, as its allocator sizes them on the CPU.
+
+        Checked against llama.cpp's own report for SmolLM2-135M: with flash attention (what
+        "auto" picks on the CPU) the compute buffer is n_ubatch x (vocab + 2 x hidden) x 4 B,
+        98.25 MiB at n_ubatch 512; without it, the attention scores add up to
+        n_ubatch x n_ctx x heads x 4 B (326 MiB at n_ctx 16384), counted here in full.
+        """
+        step, seqs = config.max_step_tokens, config.max_num_seqs or 1
+        compute = step * (shape.vocab_size + 2 * shape.hidden_size) * 4
+        how = f"{step} step tokens x (vocab {shape.vocab_size} + 2 x hidden) x 4 B"
+        if config.options.get("flash_attn", "auto") is False:
+            compute += step * (config.kv_cache_tokens or 0) * shape.n_heads * 4
+            how += " + attention scores (flash attention off)"
+        return MemoryProfile(
+            weights_bytes=shape.weights_bytes, weights_source=shape.weights_source,
+            kv_bytes_per_token=kv_bytes_per_token(shape, config.kv_cache_dtype),
+            kv_dtype=config.kv_cache_dtype,
+            overheads=(
+                Overhead("compute buffer", compute, how),
+                Overhead("logits buffer", shape.vocab_size * seqs * 4,
+                         f"vocab x {seqs} sequences x 4 B"),
+                Overhead("vocabulary", shape.vocab_size * _VOCAB_BYTES_PER_TOKEN,
+                         f"{_VOCAB_BYTES_PER_TOKEN} B per token (measured: about 20 MiB for "
+                         "49,152 tokens)"),
+            ))
 
     _model: Any = None
     _ctx: Any = None
@@ -108,6 +141,7 @@ class LlamaCppBackend(Backend):
         params.n_threads = params.n_threads_batch = threads
         # All slots share one pool, so a long sequence may use what short ones leave free.
         params.kv_unified = True
+        params.type_k = params.type_v = _GGML_TYPE[self.config.kv_cache_dtype]
         params.no_perf = True
         params.flash_attn_type = _FLASH_ATTN[self.config.options.get("flash_attn", "auto")]
         self._ctx = ll.llama_init_from_model(self._model, params)

@@ -1,0 +1,149 @@
+"""Makes the memory plan of a manifest, and says what would fit when it does not."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+
+from laya_core import budget as budget_mod
+from laya_core.backend import Backend, ModelConfig
+from laya_core.manifest import Manifest, ManifestError
+from laya_core.memory_plan import (
+    KV_DTYPES,
+    RUNTIME_OVERHEAD_BYTES,
+    Plan,
+    ReplicaLedger,
+    decide_sizes,
+)
+from laya_core.model_files import ModelFileError, ModelShape, read_shape
+from laya_core.plugins import Registry
+from laya_core.units import fmt_bytes
+
+_SEQ_LEN_STEP = 256  # suggested context lengths are multiples of this
+
+
+def _backend_cls(registry: Registry, config: ModelConfig) -> type[Backend]:
+    entry = registry.backends.get(config.backend)
+    return entry.obj if entry else Backend  # not installed here: the generic profile
+
+
+def _ledgers(configs: list[tuple[ModelConfig, ModelShape, type[Backend]]]) -> list[ReplicaLedger]:
+    ledgers, replica = [], 0
+    for config, shape, cls in configs:
+        profile = cls.memory_profile(config, shape)
+        for _ in range(config.replicas):
+            ledgers.append(ReplicaLedger(config.name, replica, config, profile))
+            replica += 1
+    return ledgers
+
+
+def _plan_for(configs: list[tuple[ModelConfig, ModelShape, type[Backend]]],
+              budget: budget_mod.Budget) -> Plan:
+    return Plan(tuple(_ledgers(configs)), RUNTIME_OVERHEAD_BYTES, budget)
+
+
+def make_plan(manifest: Manifest, registry: Registry) -> Plan:
+    """The plan of a resolved manifest (model paths are files or folders)."""
+    configs = []
+    for i, m in enumerate(manifest.models):
+        try:
+            shape = read_shape(m.path)
+        except ModelFileError as e:
+            raise ManifestError(f"models[{i}].path", str(e)) from None
+        try:
+            decided = decide_sizes(m, shape)
+        except ValueError as e:
+            raise ManifestError(f"models[{i}].kv_cache_tokens", str(e)) from None
+        configs.append((decided, shape, _backend_cls(registry, m)))
+    plan = _plan_for(configs, budget_mod.detect(manifest.memory.budget_bytes))
+    if plan.fits:
+        return plan
+    return attrs.evolve(plan, suggestions=tuple(_suggestions(configs, plan.budget)))
+
+
+def decided_manifest(manifest: Manifest, plan: Plan) -> Manifest:
+    """The manifest with every model's sizes as the plan decided them."""
+    by_name = {r.model: r.config for r in plan.replicas}
+    return attrs.evolve(manifest, models=tuple(by_name[m.name] for m in manifest.models))
+
+
+def _largest(fits: Callable[[int], bool], low: int, high: int) -> int | None:
+    """The largest n in [low, high] with fits(n), for fits monotone (true, then false)."""
+    if high < low or not fits(low):
+        return None
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
+def _suggestions(configs: list[tuple[ModelConfig, ModelShape, type[Backend]]],
+                 budget: budget_mod.Budget) -> list[str]:
+    out = []
+    for i, (config, shape, cls) in enumerate(configs):
+        def fits_with(**changes: object) -> bool:
+            trial = list(configs)
+            trial[i] = (attrs.evolve(config, **changes), shape, cls)
+            return _plan_for(trial, budget).fits
+
+        key = f"models[{i}]"
+        seqs, seq_len = config.max_num_seqs or 1, config.max_seq_len or _SEQ_LEN_STEP
+        steps = _largest(lambda n: fits_with(max_seq_len=n * _SEQ_LEN_STEP,
+                                             kv_cache_tokens=n * _SEQ_LEN_STEP * seqs),
+                         1, (seq_len - 1) // _SEQ_LEN_STEP)
+        if steps:
+            out.append(f"{key}.max_seq_len = {steps * _SEQ_LEN_STEP} (keeping max_num_seqs = "
+                       f"{seqs})")
+        n = _largest(lambda n: fits_with(max_num_seqs=n, kv_cache_tokens=n * seq_len),
+                     1, seqs - 1)
+        if n:
+            out.append(f"{key}.max_num_seqs = {n} (keeping max_seq_len = {seq_len})")
+        for dtype in ("q8_0", "q4_0"):
+            smaller = KV_DTYPES[dtype][1] / KV_DTYPES[dtype][0] < \
+                KV_DTYPES[config.kv_cache_dtype][1] / KV_DTYPES[config.kv_cache_dtype][0]
+            if smaller and dtype in cls.kv_cache_dtypes and fits_with(kv_cache_dtype=dtype):
+                out.append(f'{key}.kv_cache_dtype = "{dtype}" (a quantized KV cache)')
+                break
+        if config.replicas > 1:
+            r = _largest(lambda n: fits_with(replicas=n), 1, config.replicas - 1)
+            if r:
+                out.append(f"{key}.replicas = {r}")
+    if not out:
+        out.append(f"nothing within these models fits {fmt_bytes(budget.bytes)}: the weights "
+                   "and fixed overheads alone are too large; use a smaller or more quantized "
+                   "model, or raise [memory] budget")
+    return out
+
+
+def format_plan(plan: Plan) -> str:
+    """The ledger as a person reads it."""
+    lines = []
+    for r in plan.replicas:
+        p = r.profile
+        lines += [
+            f"{r.model} (replica {r.replica}, backend {r.config.backend}): "
+            f"max_seq_len {r.max_seq_len}, max_num_seqs {r.config.max_num_seqs}, "
+            f"KV {p.kv_dtype}",
+            f"  weights            {fmt_bytes(p.weights_bytes):>12}   {p.weights_source}",
+            f"  KV per token       {fmt_bytes(p.kv_bytes_per_token):>12}",
+            f"  KV per sequence    {fmt_bytes(r.kv_bytes_per_seq):>12}   at max_seq_len "
+            f"{r.max_seq_len}",
+            f"  KV pool            {fmt_bytes(r.kv_pool_bytes):>12}   {r.pool_tokens} tokens: "
+            f"{r.max_concurrent_seqs} full-length sequence(s) at once",
+        ]
+        lines += [f"  {o.name:<18} {fmt_bytes(o.bytes):>12}   {o.how}" for o in p.overheads]
+        lines.append(f"  replica total      {fmt_bytes(r.total_bytes):>12}")
+    lines += [
+        f"runtime              {fmt_bytes(plan.runtime_bytes):>12}   Python, HTTP server, "
+        "libraries (once per process)",
+        f"total                {fmt_bytes(plan.total_bytes):>12}",
+        f"budget               {fmt_bytes(plan.budget.bytes):>12}   {plan.budget.source}",
+    ]
+    if plan.fits:
+        lines.append(f"fits: {fmt_bytes(plan.budget.bytes - plan.total_bytes)} to spare")
+    else:
+        lines.append(f"DOES NOT FIT: {fmt_bytes(plan.total_bytes - plan.budget.bytes)} over "
+                     "budget. Any one of these would fit:")
+        lines += [f"  {s}" for s in plan.suggestions]
+    return "\n".join(lines)
