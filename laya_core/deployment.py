@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 
 from laya_core.backend import ModelConfig
@@ -26,6 +27,8 @@ class Deployment:
         self.manifest = manifest
         self.registry = registry
         self.plan = plan
+        # Refusals decided before a request reaches an engine: (model, reason) -> count.
+        self.rejections: collections.Counter[tuple[str, str]] = collections.Counter()
         router_name = manifest.router.impl or ("cpp" if "cpp" in registry.routers else "python")
         self.router_name = router_name
         self.router: Router = registry.routers[router_name].obj()

@@ -40,6 +40,13 @@ class RequestTooLongError(ValueError):
     """Prompt plus max_tokens exceeds what one sequence may hold."""
 
 
+class QueueFullError(RuntimeError):
+    """As many requests wait for room as the queue holds."""
+
+
+ADMITTED = TokenEvent("", (), admitted=True)
+
+
 @attrs.define(eq=False)
 class _Live:
     """Engine-side state of a sequence besides its tokens: where its events go, its text."""
@@ -47,6 +54,7 @@ class _Live:
     seq: Sequence
     sink: Callable[[TokenEvent], None]
     detokenizer: IncrementalDetokenizer
+    started: bool = False  # admitted and known to the backend
 
 
 class GenerationStream:
@@ -57,6 +65,18 @@ class GenerationStream:
         self.seq = seq
         self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.finished = False
+        self._admitted = False
+        self._early_end: TokenEvent | None = None
+
+    async def wait_admitted(self) -> TokenEvent | None:
+        """Wait until the sequence joins the batch; the final event if it ended before that."""
+        while not self._admitted and self._early_end is None:
+            event = await self.queue.get()
+            if event.admitted:
+                self._admitted = True
+            elif event.finish_reason is not None:
+                self._early_end = event
+        return self._early_end
 
     def __aiter__(self) -> GenerationStream:
         return self
@@ -64,7 +84,10 @@ class GenerationStream:
     async def __anext__(self) -> TokenEvent:
         if self.finished:
             raise StopAsyncIteration
-        event = await self.queue.get()
+        event = self._early_end or await self.queue.get()
+        while event.admitted:
+            self._admitted = True
+            event = await self.queue.get()
         self.finished = event.finish_reason is not None
         return event
 
@@ -98,6 +121,9 @@ class Engine:
         self.scheduler: Scheduler | None = None
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._live: dict[int, _Live] = {}
+        self._lock = threading.Lock()  # guards the two counters below
+        self._num_queued = 0  # submitted, not yet admitted or finished
+        self.rejections: dict[str, int] = {"queue_full": 0, "queue_timeout": 0}
         self._ready = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"laya-engine-{config.name}-{replica_id}", daemon=True)
@@ -135,6 +161,13 @@ class Engine:
         if not prompt_token_ids:
             raise ValueError("the prompt must hold at least one token")
         self.check_request(len(prompt_token_ids), params.max_tokens)
+        with self._lock:
+            if self._num_queued >= self.config.max_queue:
+                self.rejections["queue_full"] += 1
+                raise QueueFullError(
+                    f"{self._num_queued} requests already wait for room on "
+                    f"{self.config.name} replica {self.replica_id}; retry later")
+            self._num_queued += 1
         loop = loop or asyncio.get_running_loop()
         seq = Sequence(next(self._ids), list(prompt_token_ids), params)
         stream = GenerationStream(self, seq)
@@ -155,7 +188,23 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting) if self.scheduler else 0
+        """Requests submitted and not yet running (in the inbox or the scheduler's queue)."""
+        return self._num_queued
+
+    @property
+    def kv_used_tokens(self) -> int:
+        if self.scheduler is None:
+            return 0
+        cache = self.scheduler.cache
+        return cache.num_used_blocks * cache.block_size
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.scheduler.cache.capacity_tokens if self.scheduler else 0
+
+    def _dequeued(self) -> None:
+        with self._lock:
+            self._num_queued -= 1
 
     @property
     def kv_usage(self) -> float:
@@ -216,18 +265,35 @@ class Engine:
         try:
             self.scheduler.add(live.seq)
         except ValueError as e:
+            self._dequeued()
             live.sink(TokenEvent("", (), FinishReason.ERROR, str(e)))
             return
         self._live[live.seq.seq_id] = live
 
+    def _expire_waiting(self) -> None:
+        """Refuse requests that waited for room longer than queue_timeout_s."""
+        assert self.scheduler is not None
+        deadline = time.perf_counter() - self.config.queue_timeout_s
+        for seq in [s for s in self.scheduler.waiting if s.arrival_time < deadline]:
+            with self._lock:
+                self.rejections["queue_timeout"] += 1
+            self._finish(self._live[seq.seq_id], FinishReason.REJECTED, "",
+                         f"waited {self.config.queue_timeout_s:g} s for room in the KV cache")
+
     def _step(self) -> None:
         assert self.scheduler is not None
+        if self.scheduler.waiting:
+            self._expire_waiting()
         chunks = self.scheduler.schedule()
         if not chunks:
             return
-        for c in chunks:
-            if c.start_pos == 0:
-                self.backend.start_sequence(c.seq.slot, c.seq.params)  # type: ignore[arg-type]
+        for seq in self.scheduler.running:
+            live = self._live[seq.seq_id]
+            if not live.started:
+                self.backend.start_sequence(seq.slot, seq.params)  # type: ignore[arg-type]
+                live.started = True
+                self._dequeued()
+                live.sink(ADMITTED)
         items = [StepItem(c.seq.slot, c.tokens, c.start_pos, c.samples)  # type: ignore[arg-type]
                  for c in chunks]
         try:
@@ -271,10 +337,11 @@ class Engine:
         seq = live.seq
         assert self.scheduler is not None
         slot = seq.slot
-        was_running = seq.admitted_time is not None
         self.scheduler.finish(seq)
-        if was_running and slot is not None:
-            self.backend.free_sequence(slot)
+        if live.started:
+            self.backend.free_sequence(slot)  # type: ignore[arg-type]
+        else:
+            self._dequeued()
         seq.finish_reason = reason
         seq.finished_time = time.perf_counter()
         del self._live[seq.seq_id]

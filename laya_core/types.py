@@ -44,6 +44,7 @@ class FinishReason(enum.Enum):
     LENGTH = "length"  # max_tokens or the context length reached
     CANCELLED = "cancelled"  # the client went away; never sent to a client
     ERROR = "error"  # the backend failed on this sequence
+    REJECTED = "rejected"  # waited in the queue longer than allowed; never sent to a client
 
 
 @attrs.frozen
@@ -55,6 +56,7 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     error: str | None = None
     timing: Timing | None = None  # set on the final event
+    admitted: bool = False  # the marker sent once when the sequence joins the batch
 
 
 @attrs.frozen

@@ -6,6 +6,7 @@ import json
 import time
 from typing import Any
 
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -18,6 +19,8 @@ from laya_core.deployment import Deployment
 from laya_core.http import generation as gen
 from laya_core.http.auth import ApiKeyMiddleware
 from laya_core.http.errors import APIError, invalid
+from laya_core.http.metrics import metrics_registry
+from laya_core.http.status import deployment_status
 from laya_core.http.requests import parse_chat, parse_completion
 
 
@@ -57,14 +60,18 @@ def create_app(deployment: Deployment) -> Starlette:
         return JSONResponse({"status": "ok"})
 
     async def ready(request: Request) -> Response:
-        replicas = [{"model": e.config.name, "replica": e.replica_id, "state": e.state.value,
-                     "error": e.error} for e in deployment.engines]
         status = 200 if deployment.ready else 503
-        return JSONResponse({"ready": status == 200, "replicas": replicas}, status_code=status)
+        return JSONResponse({"ready": status == 200, **deployment_status(deployment)},
+                            status_code=status)
+
+    registry = metrics_registry(deployment)
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     async def chat_completions(request: Request) -> Response:
         req = parse_chat(await _json_body(request, server.max_body_bytes))
-        run = _start(req)
+        run = await _start(req)
         rid, model = gen.new_id("chatcmpl"), req.common.model
         base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": model}
@@ -93,7 +100,7 @@ def create_app(deployment: Deployment) -> Starlette:
 
     async def completions(request: Request) -> Response:
         req = parse_completion(await _json_body(request, server.max_body_bytes))
-        run = _start(req)
+        run = await _start(req)
         base = {"id": gen.new_id("cmpl"), "object": "text_completion",
                 "created": int(time.time()), "model": req.common.model}
         if req.common.stream:
@@ -113,9 +120,9 @@ def create_app(deployment: Deployment) -> Starlette:
         return JSONResponse(body, headers={"Server-Timing": gen.server_timing(run.route_s,
                                                                                timing)})
 
-    def _start(req: Any) -> gen.Running:
+    async def _start(req: Any) -> gen.Running:
         try:
-            return gen.start(deployment, req)
+            return await gen.start(deployment, req)
         except TemplateError as e:
             raise invalid("messages", str(e), "chat_template_error") from None
 
@@ -130,6 +137,7 @@ def create_app(deployment: Deployment) -> Starlette:
     routes = [
         Route("/health", health),
         Route("/ready", ready),
+        Route("/metrics", metrics),
         Route("/v1/models", list_models),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),

@@ -11,11 +11,14 @@ from typing import Any
 import attrs
 
 from laya_core.deployment import Deployment, UnknownModelError
-from laya_core.engine import Engine, GenerationStream, RequestTooLongError
+from laya_core.engine import Engine, GenerationStream, QueueFullError, RequestTooLongError
 from laya_core.http.errors import APIError, invalid
 from laya_core.http.requests import ChatRequest, CompletionRequest, GenerationRequest
 from laya_core.router import NoRouteError
 from laya_core.types import FinishReason, SamplingParams, Timing, TokenEvent
+
+
+QUEUE_RETRY_AFTER_S = 2
 
 
 @attrs.define
@@ -56,8 +59,13 @@ def _prompt_ids(deployment: Deployment, request: ChatRequest | CompletionRequest
     return engine.backend.tokenize(request.prompt, add_special=True)
 
 
-def start(deployment: Deployment, request: ChatRequest | CompletionRequest) -> Running:
-    """Validate against the model, route, and submit; raises :class:`APIError`."""
+async def start(deployment: Deployment, request: ChatRequest | CompletionRequest) -> Running:
+    """Validate against the model, route, submit and wait for a place in the batch.
+
+    Raises :class:`APIError`: 400 for what can never fit, 429 when the queue is full, 503 when
+    the wait for room timed out. Waiting happens before any response byte, so a streamed
+    request can still get a proper status.
+    """
     req = request.common
     try:
         deployment.model(req.model)
@@ -70,6 +78,7 @@ def start(deployment: Deployment, request: ChatRequest | CompletionRequest) -> R
     param = "messages" if isinstance(request, ChatRequest) else "prompt"
     limit = deployment.any_engine(req.model).max_seq_len
     if len(prompt) >= limit:
+        deployment.rejections[req.model, "too_long"] += 1
         raise invalid(param, f"the prompt has {len(prompt)} tokens; this model's max_seq_len "
                       f"is {limit}, which leaves no room to generate", "context_length_exceeded")
     max_tokens = req.max_tokens if req.max_tokens is not None else limit - len(prompt)
@@ -83,12 +92,29 @@ def start(deployment: Deployment, request: ChatRequest | CompletionRequest) -> R
     try:
         stream = engine.submit(prompt, _params(req, max_tokens))
     except RequestTooLongError as e:
+        deployment.rejections[req.model, "too_long"] += 1
         deployment.router.release(replica)
         raise invalid("max_tokens", str(e), "context_length_exceeded") from None
+    except QueueFullError as e:
+        deployment.router.release(replica)
+        raise APIError(429, str(e), code="queue_full", retry_after=QUEUE_RETRY_AFTER_S) from None
     except Exception:
         deployment.router.release(replica)
         raise
-    return Running(stream, engine, route_s, deployment)
+    run = Running(stream, engine, route_s, deployment)
+    try:
+        early = await stream.wait_admitted()
+    except BaseException:  # cancelled while queued: leave the queue
+        run.release()
+        raise
+    if early is not None:
+        run.release()
+        if early.finish_reason is FinishReason.REJECTED:
+            raise APIError(503, f"no room for this request: {early.error}; retry later",
+                           code="queue_timeout", retry_after=QUEUE_RETRY_AFTER_S)
+        raise APIError(503, f"the request ended before it ran: {early.error or 'shutting down'}",
+                       code="not_run", retry_after=QUEUE_RETRY_AFTER_S)
+    return run
 
 
 def server_timing(route_s: float, timing: Timing | None) -> str:

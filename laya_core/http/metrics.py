@@ -1,0 +1,64 @@
+"""Prometheus metrics, read from the deployment's live state at scrape time.
+
+Names follow vLLM's where one exists (``num_requests_running``, ``kv_cache_usage_perc``), under
+the ``laya:`` prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from laya_core.deployment import Deployment
+
+_LABELS = ["model_name", "replica"]
+
+
+class DeploymentCollector:
+    def __init__(self, deployment: Deployment) -> None:
+        self.deployment = deployment
+
+    def collect(self) -> Iterator[Metric]:
+        d = self.deployment
+
+        def gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"laya:{name}", doc, labels=_LABELS)
+
+        running = gauge("num_requests_running", "Sequences in the running batch.")
+        waiting = gauge("num_requests_waiting", "Requests waiting for room in the KV cache.")
+        usage = gauge("kv_cache_usage_perc", "Fraction of the KV pool in use (0 to 1).")
+        used = gauge("kv_cache_used_tokens", "KV cache tokens reserved by live sequences.")
+        capacity = gauge("kv_cache_capacity_tokens", "Tokens the fixed KV pool holds.")
+        rejected = CounterMetricFamily("laya:request_rejections", "Requests refused, by reason.",
+                                       labels=[*_LABELS, "reason"])
+        for e in d.engines:
+            labels = [e.config.name, str(e.replica_id)]
+            running.add_metric(labels, e.num_running)
+            waiting.add_metric(labels, e.num_waiting)
+            usage.add_metric(labels, e.kv_usage)
+            used.add_metric(labels, e.kv_used_tokens)
+            capacity.add_metric(labels, e.kv_capacity_tokens)
+            for reason, count in e.rejections.items():
+                rejected.add_metric([*labels, reason], count)
+        for (model, reason), count in d.rejections.items():
+            rejected.add_metric([model, "", reason], count)
+        yield from (running, waiting, usage, used, capacity, rejected)
+        if d.plan is not None:
+            budget = GaugeMetricFamily("laya:memory_budget_bytes", "The memory budget in force.")
+            budget.add_metric([], d.plan.budget.bytes)
+            planned = GaugeMetricFamily("laya:memory_planned_bytes",
+                                        "The plan's total: weights, KV pools and overheads.")
+            planned.add_metric([], d.plan.total_bytes)
+            pool = GaugeMetricFamily("laya:kv_cache_pool_bytes", "Bytes of each fixed KV pool.",
+                                     labels=_LABELS)
+            for r in d.plan.replicas:
+                pool.add_metric([r.model, str(r.replica)], r.kv_pool_bytes)
+            yield from (budget, planned, pool)
+
+
+def metrics_registry(deployment: Deployment) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DeploymentCollector(deployment))  # type: ignore[arg-type]
+    return registry

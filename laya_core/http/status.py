@@ -1,0 +1,32 @@
+"""The deployment's state as JSON for /ready: replicas, memory plan, KV use, queues."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from laya_core.deployment import Deployment
+
+
+def deployment_status(d: Deployment) -> dict[str, Any]:
+    ledgers = {r.replica: r for r in d.plan.replicas} if d.plan else {}
+    replicas = []
+    for e in d.engines:
+        ledger = ledgers.get(e.replica_id)
+        per_token = ledger.profile.kv_bytes_per_token if ledger else 0
+        replicas.append({
+            "model": e.config.name, "replica": e.replica_id, "state": e.state.value,
+            "error": e.error, "running": e.num_running, "waiting": e.num_waiting,
+            "kv_cache_capacity_tokens": e.kv_capacity_tokens,
+            "kv_cache_used_tokens": e.kv_used_tokens,
+            "kv_cache_used_bytes": e.kv_used_tokens * per_token,
+            "kv_pool_bytes": ledger.kv_pool_bytes if ledger else None,
+            "rejections": dict(e.rejections),
+        })
+    memory = None
+    if d.plan is not None:
+        memory = {"budget_bytes": d.plan.budget.bytes, "budget_source": d.plan.budget.source,
+                  "planned_bytes": d.plan.total_bytes}
+    rejections: dict[str, dict[str, int]] = {}
+    for (model, reason), count in d.rejections.items():
+        rejections.setdefault(model, {})[reason] = count
+    return {"replicas": replicas, "memory": memory, "rejections": rejections}
