@@ -105,10 +105,24 @@ def _suggestions(configs: list[tuple[ModelConfig, ModelShape, type[Backend]]],
             if smaller and dtype in cls.kv_cache_dtypes and fits_with(kv_cache_dtype=dtype):
                 out.append(f'{key}.kv_cache_dtype = "{dtype}" (a quantized KV cache)')
                 break
+        step = _largest(lambda n: fits_with(max_step_tokens=n * 64),
+                        max(1, -(-seqs // 64)), (config.max_step_tokens - 1) // 64)
+        if step:
+            out.append(f"{key}.max_step_tokens = {step * 64} (a smaller compute buffer; long "
+                       "prompts prefill in more steps)")
         if config.replicas > 1:
             r = _largest(lambda n: fits_with(replicas=n), 1, config.replicas - 1)
             if r:
                 out.append(f"{key}.replicas = {r}")
+        if not out:  # no single setting is enough: the smallest compute buffer, then context
+            low_step = max(64, seqs)
+            steps = _largest(lambda n: fits_with(max_step_tokens=low_step,
+                                                 max_seq_len=n * _SEQ_LEN_STEP,
+                                                 kv_cache_tokens=n * _SEQ_LEN_STEP * seqs),
+                             1, (seq_len - 1) // _SEQ_LEN_STEP)
+            if steps:
+                out.append(f"{key}.max_step_tokens = {low_step} together with "
+                           f"{key}.max_seq_len = {steps * _SEQ_LEN_STEP}")
     if not out:
         out.append(f"nothing within these models fits {fmt_bytes(budget.bytes)}: the weights "
                    "and fixed overheads alone are too large; use a smaller or more quantized "

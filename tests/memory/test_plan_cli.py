@@ -1,0 +1,91 @@
+"""laya plan and laya serve's refusal, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SEVEN_B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+           "intermediate_size": 11008, "num_attention_heads": 32, "num_hidden_layers": 32,
+           "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 32768,
+           "torch_dtype": "float16"}
+
+
+def laya(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "laya_core.cli", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def seven_b_manifest(tmp_path: Path, budget: str = "64GiB") -> Path:
+    (tmp_path / "llama-7b").mkdir()
+    (tmp_path / "llama-7b" / "config.json").write_text(json.dumps(SEVEN_B))
+    manifest = tmp_path / "laya.toml"
+    manifest.write_text(f'[memory]\nbudget = "{budget}"\n[[models]]\nname = "llama-7b"\n'
+                        'path = "llama-7b"\nmax_seq_len = 32768\nmax_num_seqs = 8\n')
+    return manifest
+
+
+def test_plan_json_for_a_7b_model_from_config_alone(tmp_path: Path) -> None:
+    manifest = seven_b_manifest(tmp_path)
+    started = time.perf_counter()
+    out = laya("plan", "--json", str(manifest))
+    elapsed = time.perf_counter() - started
+    assert out.returncode == 1, out.stderr  # does not fit
+    plan = json.loads(out.stdout)
+    assert plan["fits"] is False and plan["budget_bytes"] == 64 * 2**30
+    assert plan["budget_source"] == "manifest [memory] budget"
+    (r,) = plan["replicas"]
+    assert r["model"] == "llama-7b" and r["kv_bytes_per_token"] == 512 * 1024
+    assert r["kv_bytes_per_seq"] == 16 * 2**30 and r["kv_pool_bytes"] == 128 * 2**30
+    assert r["max_concurrent_seqs"] == 8
+    assert plan["total_bytes"] == plan["runtime_bytes"] + r["total_bytes"]
+    assert r["total_bytes"] == r["weights_bytes"] + r["kv_pool_bytes"] + r["overhead_bytes"]
+    print(f"laya plan --json of a 7B manifest took {elapsed:.2f} s, Python start included")
+
+
+def test_plan_text_uses_binary_units_and_fits_the_embedded_model() -> None:
+    out = laya("plan")
+    assert out.returncode == 0, out.stderr
+    assert "KV per token          22.50 KiB" in out.stdout
+    assert "weights               92.10 MiB" in out.stdout
+    assert "fits:" in out.stdout
+
+
+def test_serve_refuses_with_numbers_and_settings_that_fit(tmp_path: Path) -> None:
+    manifest = tmp_path / "laya.toml"
+    manifest.write_text('[memory]\nbudget = "1.2GiB"\n[[models]]\nname = "smol"\n'
+                        'path = "embedded:smollm2-135m-instruct"\nmax_seq_len = 8192\n'
+                        "max_num_seqs = 8\n")
+    out = laya("serve", str(manifest))
+    assert out.returncode == 1
+    assert "refusing to start" in out.stderr and "DOES NOT FIT" in out.stderr
+    assert "1.41 GiB" in out.stderr  # the KV pool: 8 x 8192 x 22.5 KiB
+    assert "models[0].max_seq_len = 5120" in out.stderr
+    assert "models[0].max_num_seqs = 5" in out.stderr
+    assert 'models[0].kv_cache_dtype = "q8_0"' in out.stderr
+
+
+def test_when_no_single_setting_fits_a_combination_is_offered(tmp_path: Path) -> None:
+    manifest = tmp_path / "laya.toml"
+    manifest.write_text('[memory]\nbudget = "300MiB"\n[[models]]\nname = "smol"\n'
+                        'path = "embedded:smollm2-135m-instruct"\nmax_seq_len = 8192\n')
+    out = laya("plan", str(manifest))
+    assert out.returncode == 1
+    assert "models[0].max_step_tokens = 64 together with models[0].max_seq_len = " in out.stdout
+
+
+def test_systemd_unit_sets_memory_max_from_the_plan(tmp_path: Path) -> None:
+    manifest = tmp_path / "laya.toml"
+    manifest.write_text('[[models]]\nname = "smol"\npath = "embedded:smollm2-135m-instruct"\n')
+    plan = json.loads(laya("plan", "--json", str(manifest)).stdout)
+    unit = laya("plan", "--systemd", str(manifest)).stdout
+    line = next(x for x in unit.splitlines() if x.startswith("MemoryMax="))
+    memory_max = int(line.removeprefix("MemoryMax=").removesuffix("M")) * 2**20
+    # Laya under this unit keeps max(256 MiB, 10%) back from the cgroup limit; the rest must
+    # still hold the plan.
+    assert memory_max - max(256 * 2**20, memory_max // 10) >= plan["total_bytes"]
+    assert memory_max < plan["total_bytes"] + 2**30
+    assert "MemorySwapMax=0" in unit and f"serve {manifest.resolve()}" in unit
