@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
-from laya_core.types import SamplingParams
+from laya_core.types import Sample, SamplingParams
 
 if TYPE_CHECKING:
     from laya_core.memory_plan import MemoryProfile
@@ -120,10 +120,12 @@ class Backend(abc.ABC):
         """Prepare ``slot`` for a new sequence (its sampler, an empty KV range)."""
 
     @abc.abstractmethod
-    def step(self, items: Sequence[StepItem]) -> list[int | None]:
+    def step(self, items: Sequence[StepItem]) -> list[Sample | None]:
         """Run all items in one batched forward pass.
 
-        Returns one entry per item: the sampled token id where ``item.sample``, else ``None``.
+        Returns one entry per item: the sampled token where ``item.sample``, else ``None``; with
+        its log-probability (and ``params.logprobs`` alternatives) when the sequence's
+        ``SamplingParams.logprobs`` is not None.
         """
 
     @abc.abstractmethod

@@ -21,9 +21,9 @@ from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem
 from laya_core.cache import CachePolicy
 from laya_core.detokenizer import IncrementalDetokenizer
 from laya_core.memory_plan import DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_SEQ_LEN
-from laya_core.scheduler import Chunk, Scheduler, SchedulerConfig
+from laya_core.scheduler import Scheduler, SchedulerConfig
 from laya_core.sequence import Sequence
-from laya_core.types import FinishReason, SamplingParams, Timing, TokenEvent
+from laya_core.types import FinishReason, Sample, SamplingParams, Timing, TokenEvent
 
 log = logging.getLogger(__name__)
 _IDLE_POLL_S = 0.5
@@ -304,13 +304,14 @@ class Engine:
                 self._finish(self._live[c.seq.seq_id], FinishReason.ERROR, "",
                              f"{type(e).__name__}: {e}")
             return
-        for c, token in zip(chunks, sampled, strict=True):
+        for c, sample in zip(chunks, sampled, strict=True):
             c.seq.num_computed += len(c.tokens)
-            if token is not None:
-                self._on_token(self._live[c.seq.seq_id], c, token)
+            if sample is not None:
+                self._on_token(self._live[c.seq.seq_id], sample)
 
-    def _on_token(self, live: _Live, chunk: Chunk, token: int) -> None:
-        seq = live.seq
+    def _on_token(self, live: _Live, sample: Sample) -> None:
+        seq, token = live.seq, sample.token_id
+        samples = (sample,) if seq.params.logprobs is not None else ()
         seq.output_token_ids.append(token)
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
@@ -328,12 +329,12 @@ class Engine:
                     or seq.num_tokens >= self.max_seq_len:
                 text, finish = text + live.detokenizer.flush(), FinishReason.LENGTH
         if finish is None:
-            live.sink(TokenEvent(text, (token,)))
+            live.sink(TokenEvent(text, (token,), samples=samples))
         else:
-            self._finish(live, finish, text, token_ids=(token,))
+            self._finish(live, finish, text, token_ids=(token,), samples=samples)
 
     def _finish(self, live: _Live, reason: FinishReason, text: str, error: str | None = None,
-                token_ids: tuple[int, ...] = ()) -> None:
+                token_ids: tuple[int, ...] = (), samples: tuple[Sample, ...] = ()) -> None:
         seq = live.seq
         assert self.scheduler is not None
         slot = seq.slot
@@ -345,7 +346,7 @@ class Engine:
         seq.finish_reason = reason
         seq.finished_time = time.perf_counter()
         del self._live[seq.seq_id]
-        live.sink(TokenEvent(text, token_ids, reason, error, _timing(seq)))
+        live.sink(TokenEvent(text, token_ids, reason, error, _timing(seq), samples=samples))
 
 
 def _timing(seq: Sequence) -> Timing:

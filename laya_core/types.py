@@ -31,6 +31,13 @@ class SamplingParams:
     # Token ids that end the sequence besides the model's own end-of-generation tokens.
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Penalties on tokens already generated (OpenAI's and vLLM's meaning): 0 and 1 mean off.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = attrs.field(default=1.0, validator=attrs.validators.gt(0))
+    # Log-probabilities: None for none, else how many top alternatives besides the chosen token.
+    logprobs: int | None = attrs.field(default=None, validator=attrs.validators.optional(
+        attrs.validators.and_(attrs.validators.ge(0), attrs.validators.le(20))))
 
     @property
     def greedy(self) -> bool:
@@ -48,6 +55,15 @@ class FinishReason(enum.Enum):
 
 
 @attrs.frozen
+class Sample:
+    """One sampled token, with its log-probability under the model when asked for."""
+
+    token_id: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+@attrs.frozen
 class TokenEvent:
     """What one engine step produced for one sequence, sent to the request's asyncio side."""
 
@@ -57,6 +73,7 @@ class TokenEvent:
     error: str | None = None
     timing: Timing | None = None  # set on the final event
     admitted: bool = False  # the marker sent once when the sequence joins the batch
+    samples: tuple[Sample, ...] = ()  # with log-probabilities, when the request asked for them
 
 
 @attrs.frozen

@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 
 from laya_core.backend import Backend, ModelInfo, StepItem
-from laya_core.types import SamplingParams
+from laya_core.types import Sample, SamplingParams
 
 END = 256
 
@@ -43,11 +43,11 @@ class ToyBackend(Backend):
         assert slot not in self.fed, f"slot {slot} started twice"
         self.fed[slot] = []
 
-    def step(self, items: Sequence[StepItem]) -> list[int | None]:
+    def step(self, items: Sequence[StepItem]) -> list[Sample | None]:
         self.steps.append(list(items))
         time.sleep(self.config.options.get("step_delay_s", 0.0))  # a model takes time
         assert sum(len(i.tokens) for i in items) <= self.config.max_step_tokens
-        out: list[int | None] = []
+        out: list[Sample | None] = []
         for item in items:
             history = self.fed[item.slot]
             assert item.start_pos == len(history), "tokens fed out of order"
@@ -58,7 +58,7 @@ class ToyBackend(Backend):
             prompt_len = self.prompt_len.get(item.slot) or len(history)
             self.prompt_len[item.slot] = prompt_len
             token = history[len(history) % prompt_len]
-            out.append(END if token == 0 else token)
+            out.append(Sample(END if token == 0 else token, 0.0))
         return out
 
     def free_sequence(self, slot: int) -> None:

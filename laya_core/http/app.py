@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -15,46 +13,77 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from laya_core.chat_template import TemplateError
-from laya_core.deployment import Deployment
-from laya_core.http import generation as gen
+from laya_core.deployment import Deployment, UnknownModelError
 from laya_core.http.auth import ApiKeyMiddleware
+from laya_core.http.body import json_body
+from laya_core.http.completions import CompletionHandlers
 from laya_core.http.errors import APIError, invalid
 from laya_core.http.metrics import metrics_registry
+from laya_core.http.observe import Observer
+from laya_core.http.requests import parse_tokenize
 from laya_core.http.status import deployment_status
-from laya_core.http.requests import parse_chat, parse_completion
-
-
-async def _json_body(request: Request, max_bytes: int) -> Any:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise APIError(413, f"the body is larger than {max_bytes} bytes", param="body",
-                       code="body_too_large")
-    data = bytearray()
-    async for piece in request.stream():
-        data += piece
-        if len(data) > max_bytes:
-            raise APIError(413, f"the body is larger than {max_bytes} bytes", param="body",
-                           code="body_too_large")
-    try:
-        return json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise invalid("body", f"the body is not valid JSON: {e}", "invalid_json") from None
 
 
 def create_app(deployment: Deployment) -> Starlette:
     """The OpenAI-compatible app for a deployment whose engines are (being) started."""
     server = deployment.manifest.server
     created = int(time.time())
+    registry = metrics_registry(deployment)
+    handlers = CompletionHandlers(deployment, Observer(registry))
 
     def model_card(name: str) -> dict[str, Any]:
         engines = deployment.engines_of(name)
         return {"id": name, "object": "model", "created": created, "owned_by": "laya",
-                "max_model_len": engines[0].max_seq_len or None,
-                "replicas": len(engines)}
+                "max_model_len": engines[0].max_seq_len or None, "replicas": len(engines)}
+
+    def engine_for(name: str, param: str = "model") -> Any:
+        try:
+            return deployment.any_engine(name)
+        except UnknownModelError:
+            raise APIError(404, f"the model {name!r} does not exist; see GET /v1/models",
+                           param=param, code="model_not_found") from None
+        except RuntimeError as e:
+            raise APIError(503, str(e), code="not_ready", retry_after=5) from None
 
     async def list_models(request: Request) -> Response:
         return JSONResponse({"object": "list",
                              "data": [model_card(n) for n in deployment.models]})
+
+    async def get_model(request: Request) -> Response:
+        name = request.path_params["model"]
+        if name not in deployment.models:
+            raise APIError(404, f"the model {name!r} does not exist; see GET /v1/models",
+                           param="model", code="model_not_found")
+        return JSONResponse(model_card(name))
+
+    async def tokenize(request: Request) -> Response:
+        req = parse_tokenize(await json_body(request, server.max_body_bytes))
+        engine = engine_for(req.model)
+        text = req.prompt
+        if req.messages is not None:
+            try:
+                text = deployment.chat_template(req.model).render(
+                    req.messages, add_generation_prompt=req.add_generation_prompt)
+            except TemplateError as e:
+                raise invalid("messages", str(e), "chat_template_error") from None
+        tokens = engine.backend.tokenize(text, add_special=req.add_special_tokens)
+        return JSONResponse({"tokens": tokens, "count": len(tokens),
+                             "max_model_len": engine.max_seq_len})
+
+    async def detokenize(request: Request) -> Response:
+        body = await json_body(request, server.max_body_bytes)
+        model = body.get("model") if isinstance(body, dict) else None
+        if not isinstance(model, str) or not model:
+            raise invalid("model", "'model' is required", "missing")
+        tokens = body.get("tokens")
+        engine = engine_for(model)
+        vocab = engine.info.vocab_size
+        if not isinstance(tokens, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                for t in tokens):
+            raise invalid("tokens", f"'tokens' must be an array of token ids in 0..{vocab - 1}")
+        text = b"".join(engine.backend.token_bytes(t) for t in tokens)
+        return JSONResponse({"prompt": text.decode("utf-8", "replace")})
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -64,67 +93,8 @@ def create_app(deployment: Deployment) -> Starlette:
         return JSONResponse({"ready": status == 200, **deployment_status(deployment)},
                             status_code=status)
 
-    registry = metrics_registry(deployment)
-
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-
-    async def chat_completions(request: Request) -> Response:
-        req = parse_chat(await _json_body(request, server.max_body_bytes))
-        run = await _start(req)
-        rid, model = gen.new_id("chatcmpl"), req.common.model
-        base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": model}
-        if req.common.stream:
-            first = True
-
-            def chunk(text: str, finish: str | None) -> dict[str, Any]:
-                nonlocal first
-                delta = {"role": "assistant", "content": text} if first else {"content": text}
-                first = False
-                return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                             "finish_reason": finish}]}
-
-            return EventSourceResponse(
-                gen.sse_events(run, chunk, req.common.include_usage, base), ping=15)
-        try:
-            text, finish, timing = await gen.collect(run)
-        finally:
-            run.release()
-        body = {**base, "object": "chat.completion",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": None, "finish_reason": finish.value}],
-                "usage": gen.usage(run)}
-        return JSONResponse(body, headers={"Server-Timing": gen.server_timing(run.route_s,
-                                                                               timing)})
-
-    async def completions(request: Request) -> Response:
-        req = parse_completion(await _json_body(request, server.max_body_bytes))
-        run = await _start(req)
-        base = {"id": gen.new_id("cmpl"), "object": "text_completion",
-                "created": int(time.time()), "model": req.common.model}
-        if req.common.stream:
-            def chunk(text: str, finish: str | None) -> dict[str, Any]:
-                return {**base, "choices": [{"index": 0, "text": text, "logprobs": None,
-                                             "finish_reason": finish}]}
-
-            return EventSourceResponse(
-                gen.sse_events(run, chunk, req.common.include_usage, base), ping=15)
-        try:
-            text, finish, timing = await gen.collect(run)
-        finally:
-            run.release()
-        body = {**base, "choices": [{"index": 0, "text": text, "logprobs": None,
-                                     "finish_reason": finish.value}],
-                "usage": gen.usage(run)}
-        return JSONResponse(body, headers={"Server-Timing": gen.server_timing(run.route_s,
-                                                                               timing)})
-
-    async def _start(req: Any) -> gen.Running:
-        try:
-            return await gen.start(deployment, req)
-        except TemplateError as e:
-            raise invalid("messages", str(e), "chat_template_error") from None
 
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, APIError)
@@ -139,8 +109,11 @@ def create_app(deployment: Deployment) -> Starlette:
         Route("/ready", ready),
         Route("/metrics", metrics),
         Route("/v1/models", list_models),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models/{model:path}", get_model),
+        Route("/v1/chat/completions", handlers.chat, methods=["POST"]),
+        Route("/v1/completions", handlers.completions, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
     ]
     app = Starlette(routes=routes,
                     exception_handlers={APIError: api_error, HTTPException: http_error})

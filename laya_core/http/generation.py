@@ -1,12 +1,11 @@
-"""From a validated request to a running sequence, and from its events to OpenAI responses."""
+"""From a validated request to running sequences, and from their events to results."""
 
 from __future__ import annotations
 
-import json
+import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
 
 import attrs
 
@@ -15,20 +14,20 @@ from laya_core.engine import Engine, GenerationStream, QueueFullError, RequestTo
 from laya_core.http.errors import APIError, invalid
 from laya_core.http.requests import ChatRequest, CompletionRequest, GenerationRequest
 from laya_core.router import NoRouteError
-from laya_core.types import FinishReason, SamplingParams, Timing, TokenEvent
-
+from laya_core.types import FinishReason, Sample, SamplingParams, Timing, TokenEvent
 
 QUEUE_RETRY_AFTER_S = 2
 
 
 @attrs.define
 class Running:
-    """A submitted request: its stream, where it runs, and how long routing took."""
+    """One submitted sequence: its stream, where it runs, and how long routing took."""
 
     stream: GenerationStream
     engine: Engine
     route_s: float
     deployment: Deployment
+    prompt_text: str | None = None  # for echo
     released: bool = False
 
     def release(self) -> None:
@@ -39,58 +38,59 @@ class Running:
             self.deployment.router.release(self.engine.replica_id)
 
 
-def _params(req: GenerationRequest, max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                          top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop)
+@attrs.define
+class Result:
+    """A finished sequence, gathered."""
+
+    text: str
+    finish: FinishReason
+    timing: Timing | None
+    token_ids: list[int]
+    samples: list[Sample]
 
 
-def _prompt_ids(deployment: Deployment, request: ChatRequest | CompletionRequest) -> list[int]:
-    model = request.common.model
-    engine = deployment.any_engine(model)
+def _params(req: GenerationRequest, max_tokens: int, choice: int) -> SamplingParams:
+    seed = None if req.seed is None else req.seed + choice  # n choices must differ
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+        min_p=req.min_p, seed=seed, stop=req.stop, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+        logprobs=req.logprobs)
+
+
+def _prompts(deployment: Deployment, request: ChatRequest | CompletionRequest,
+             engine: Engine) -> list[tuple[list[int], str | None]]:
+    """Token ids of each prompt, with its text (for echo)."""
     if isinstance(request, ChatRequest):
-        text = deployment.chat_template(model).render(request.messages)
-        return engine.backend.tokenize(text, add_special=True)
-    if isinstance(request.prompt, list):
-        vocab = engine.info.vocab_size  # type: ignore[union-attr]
-        bad = next((t for t in request.prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise invalid("prompt", f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
-        return list(request.prompt)
-    return engine.backend.tokenize(request.prompt, add_special=True)
+        text = deployment.chat_template(request.common.model).render(request.messages)
+        return [(engine.backend.tokenize(text, add_special=True), None)]
+    out = []
+    vocab = engine.info.vocab_size  # type: ignore[union-attr]
+    for i, prompt in enumerate(request.prompts):
+        param = "prompt" if len(request.prompts) == 1 else f"prompt[{i}]"
+        if isinstance(prompt, tuple):
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise invalid(param, f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+            text = b"".join(engine.backend.token_bytes(t) for t in prompt).decode("utf-8",
+                                                                                   "replace")
+            out.append((list(prompt), text))
+        else:
+            out.append((engine.backend.tokenize(prompt, add_special=True), prompt))
+    return out
 
 
-async def start(deployment: Deployment, request: ChatRequest | CompletionRequest) -> Running:
-    """Validate against the model, route, submit and wait for a place in the batch.
-
-    Raises :class:`APIError`: 400 for what can never fit, 429 when the queue is full, 503 when
-    the wait for room timed out. Waiting happens before any response byte, so a streamed
-    request can still get a proper status.
-    """
-    req = request.common
-    try:
-        deployment.model(req.model)
-    except UnknownModelError:
-        raise APIError(404, f"the model {req.model!r} does not exist; see GET /v1/models",
-                       param="model", code="model_not_found") from None
-    if not deployment.ready:
-        raise APIError(503, "the model is still loading", code="not_ready", retry_after=5)
-    prompt = _prompt_ids(deployment, request)
-    param = "messages" if isinstance(request, ChatRequest) else "prompt"
-    limit = deployment.any_engine(req.model).max_seq_len
-    if len(prompt) >= limit:
-        deployment.rejections[req.model, "too_long"] += 1
-        raise invalid(param, f"the prompt has {len(prompt)} tokens; this model's max_seq_len "
-                      f"is {limit}, which leaves no room to generate", "context_length_exceeded")
-    max_tokens = req.max_tokens if req.max_tokens is not None else limit - len(prompt)
+def _submit(deployment: Deployment, req: GenerationRequest, prompt: list[int],
+            params: SamplingParams, text: str | None) -> Running:
     t0 = time.perf_counter()
     try:
         replica = deployment.router.route(req.model, req.user)
     except NoRouteError as e:
-        raise APIError(503, str(e), code="no_replica", retry_after=5) from None
+        raise APIError(503, str(e), code="no_replica", retry_after=QUEUE_RETRY_AFTER_S) from None
     route_s = time.perf_counter() - t0
     engine = deployment.engines[replica]
     try:
-        stream = engine.submit(prompt, _params(req, max_tokens))
+        stream = engine.submit(prompt, params)
     except RequestTooLongError as e:
         deployment.rejections[req.model, "too_long"] += 1
         deployment.router.release(replica)
@@ -101,20 +101,115 @@ async def start(deployment: Deployment, request: ChatRequest | CompletionRequest
     except Exception:
         deployment.router.release(replica)
         raise
-    run = Running(stream, engine, route_s, deployment)
+    return Running(stream, engine, route_s, deployment, text)
+
+
+async def _admitted(run: Running) -> None:
+    early = await run.stream.wait_admitted()
+    if early is None:
+        return
+    if early.finish_reason is FinishReason.REJECTED:
+        raise APIError(503, f"no room for this request: {early.error}; retry later",
+                       code="queue_timeout", retry_after=QUEUE_RETRY_AFTER_S)
+    raise APIError(503, f"the request ended before it ran: {early.error or 'shutting down'}",
+                   code="not_run", retry_after=QUEUE_RETRY_AFTER_S)
+
+
+async def start(deployment: Deployment, request: ChatRequest | CompletionRequest) -> list[Running]:
+    """Validate against the model, route, submit every choice and wait until all run.
+
+    Raises :class:`APIError`: 400 for what can never fit, 429 when a queue is full, 503 when
+    the wait for room timed out. Waiting happens before any response byte, so a streamed
+    request can still get a proper status. On any error nothing is left running.
+    """
+    req = request.common
     try:
-        early = await stream.wait_admitted()
-    except BaseException:  # cancelled while queued: leave the queue
-        run.release()
+        deployment.model(req.model)
+    except UnknownModelError:
+        raise APIError(404, f"the model {req.model!r} does not exist; see GET /v1/models",
+                       param="model", code="model_not_found") from None
+    if not deployment.ready:
+        raise APIError(503, "the model is still loading", code="not_ready", retry_after=5)
+    engine = deployment.any_engine(req.model)
+    prompts = _prompts(deployment, request, engine)
+    param = "messages" if isinstance(request, ChatRequest) else "prompt"
+    limit = engine.max_seq_len
+    runs: list[Running] = []
+    try:
+        for prompt, text in prompts:
+            if len(prompt) >= limit:
+                deployment.rejections[req.model, "too_long"] += 1
+                raise invalid(param, f"the prompt has {len(prompt)} tokens; this model's "
+                              f"max_seq_len is {limit}, which leaves no room to generate",
+                              "context_length_exceeded")
+            max_tokens = req.max_tokens if req.max_tokens is not None else limit - len(prompt)
+            for choice in range(req.n):
+                runs.append(_submit(deployment, req, prompt, _params(req, max_tokens, choice),
+                                    text))
+        for run in runs:
+            await _admitted(run)
+    except BaseException:  # an error, or cancelled while queued: leave nothing behind
+        release_all(runs)
         raise
-    if early is not None:
+    return runs
+
+
+def release_all(runs: Sequence[Running]) -> None:
+    for run in runs:
         run.release()
-        if early.finish_reason is FinishReason.REJECTED:
-            raise APIError(503, f"no room for this request: {early.error}; retry later",
-                           code="queue_timeout", retry_after=QUEUE_RETRY_AFTER_S)
-        raise APIError(503, f"the request ended before it ran: {early.error or 'shutting down'}",
-                       code="not_run", retry_after=QUEUE_RETRY_AFTER_S)
-    return run
+
+
+def _engine_error(event: TokenEvent) -> APIError:
+    return APIError(500, f"generation failed: {event.error}", code="engine_error")
+
+
+async def collect(run: Running) -> Result:
+    """Wait for the whole output of one sequence."""
+    parts: list[str] = []
+    tokens: list[int] = []
+    samples: list[Sample] = []
+    async for event in run.stream:
+        parts.append(event.text)
+        tokens += event.token_ids
+        samples += event.samples
+        if event.finish_reason is FinishReason.ERROR:
+            raise _engine_error(event)
+        if event.finish_reason is not None:
+            return Result("".join(parts), event.finish_reason, event.timing, tokens, samples)
+    raise RuntimeError("the stream ended without a finish reason")
+
+
+async def merged(runs: Sequence[Running]) -> AsyncIterator[tuple[int, TokenEvent]]:
+    """Events of several sequences as they come, tagged with the sequence's index."""
+    if len(runs) == 1:
+        async for event in runs[0].stream:
+            yield 0, event
+        return
+    queue: asyncio.Queue[tuple[int, TokenEvent]] = asyncio.Queue()
+
+    async def pump(i: int, run: Running) -> None:
+        async for event in run.stream:
+            await queue.put((i, event))
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(runs)]
+    try:
+        remaining = len(runs)
+        while remaining:
+            i, event = await queue.get()
+            remaining -= event.finish_reason is not None
+            yield i, event
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def combined_timing(results: Sequence[Timing | None]) -> Timing | None:
+    """The slowest of each layer over the request's sequences."""
+    timings = [t for t in results if t is not None]
+    if not timings:
+        return None
+    return Timing(max(t.queue_s for t in timings), max(t.prefill_s for t in timings),
+                  max(t.decode_s for t in timings))
 
 
 def server_timing(route_s: float, timing: Timing | None) -> str:
@@ -132,49 +227,13 @@ def timing_object(route_s: float, timing: Timing | None) -> dict[str, float]:
             "prefill_ms": t.prefill_s * 1000, "decode_ms": t.decode_s * 1000}
 
 
-def usage(run: Running) -> dict[str, int]:
-    prompt = run.stream.num_prompt_tokens
-    completion = len(run.stream.seq.output_token_ids)
+def usage(runs: Sequence[Running], n: int) -> dict[str, int]:
+    """Prompt tokens once per prompt (runs come n per prompt); completion tokens of all."""
+    prompt = sum(r.stream.num_prompt_tokens for r in runs[::n])
+    completion = sum(len(r.stream.seq.output_token_ids) for r in runs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 
 
-def _engine_error(event: TokenEvent) -> APIError:
-    return APIError(500, f"generation failed: {event.error}", code="engine_error")
-
-
-async def collect(run: Running) -> tuple[str, FinishReason, Timing | None]:
-    """Wait for the whole output; the text, why it ended and the timing."""
-    parts: list[str] = []
-    async for event in run.stream:
-        parts.append(event.text)
-        if event.finish_reason is FinishReason.ERROR:
-            raise _engine_error(event)
-        if event.finish_reason is not None:
-            return "".join(parts), event.finish_reason, event.timing
-    raise RuntimeError("the stream ended without a finish reason")
-
-
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-async def sse_events(run: Running, chunk: Callable[[str, str | None], dict[str, Any]],
-                     include_usage: bool, usage_chunk: dict[str, Any]) -> AsyncIterator[str]:
-    """Server-sent events for a streamed response; ``chunk(text, finish)`` shapes each one."""
-    try:
-        async for event in run.stream:
-            if event.finish_reason is FinishReason.ERROR:
-                yield json.dumps(_engine_error(event).body())
-                break
-            finish = event.finish_reason.value if event.finish_reason else None
-            if event.text or finish:
-                body = chunk(event.text, finish)
-                if finish:
-                    body["laya_timing"] = timing_object(run.route_s, event.timing)
-                yield json.dumps(body)
-            if finish and include_usage:
-                yield json.dumps({**usage_chunk, "choices": [], "usage": usage(run)})
-        yield "[DONE]"
-    finally:
-        run.release()

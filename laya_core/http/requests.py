@@ -17,12 +17,14 @@ from laya_core.http.errors import invalid
 # Fields that would change the output and are not implemented yet, with the value that means
 # "off" (a request that sends exactly that value is fine).
 _UNSUPPORTED_UNLESS = {
-    "n": 1, "best_of": 1, "logprobs": (None, False, 0), "top_logprobs": (None, 0),
-    "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
-    "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}), "echo": False, "suffix": (None, ""),
-    "functions": (None, []), "function_call": (None, "none"),
+    "best_of": 1, "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}), "suffix": (None, ""),
+    "functions": (None, []), "function_call": (None, "none"), "guided_json": None,
+    "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "prompt_logprobs": None, "use_beam_search": (None, False),
 }
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
 
 
 @attrs.frozen
@@ -40,6 +42,11 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     user: str | None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # None: none; else top alternatives per token
 
 
 @attrs.frozen
@@ -51,7 +58,8 @@ class ChatRequest:
 @attrs.frozen
 class CompletionRequest:
     common: GenerationRequest
-    prompt: str | list[int]
+    prompts: tuple[str | tuple[int, ...], ...]  # one choice group per prompt
+    echo: bool = False
 
 
 class _Body:
@@ -93,7 +101,7 @@ class _Body:
                               "or send its default", "unsupported_parameter")
 
 
-def _common(b: _Body) -> GenerationRequest:
+def _common(b: _Body, logprobs: int | None) -> GenerationRequest:
     b.refuse_unsupported()
     model = b.get("model", str)
     if not model:
@@ -118,7 +126,14 @@ def _common(b: _Body) -> GenerationRequest:
     if not isinstance(include_usage, bool):
         raise invalid("stream_options.include_usage", "'include_usage' must be a boolean",
                       "invalid_type")
+    n = b.get("n", int, 1)
+    if not 1 <= n <= MAX_N:
+        raise invalid("n", f"'n' must be between 1 and {MAX_N}, got {n}")
     return GenerationRequest(
+        n=n, logprobs=logprobs,
+        presence_penalty=b.number("presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=b.number("frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=b.number("repetition_penalty", 1.0, 0.01, 10.0),
         model=model, max_tokens=max_tokens,
         temperature=b.number("temperature", 1.0, 0.0, 2.0),
         top_p=b.number("top_p", 1.0, 0.0, 1.0), top_k=max(top_k, 0),
@@ -148,7 +163,13 @@ def _content_text(content: Any, param: str) -> str:
 
 def parse_chat(body: Any) -> ChatRequest:
     b = _Body(body)
-    common = _common(b)
+    top = b.get("top_logprobs", int)
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise invalid("top_logprobs", f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}")
+    wanted = b.get("logprobs", bool, False)
+    if top is not None and not wanted:
+        raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    common = _common(b, (top or 0) if wanted else None)
     raw = b.get("messages", list)
     if not raw:
         raise invalid("messages", "'messages' must be a non-empty array of messages", "missing")
@@ -167,16 +188,57 @@ def parse_chat(body: Any) -> ChatRequest:
     return ChatRequest(common, tuple(messages))
 
 
+def _prompt(value: Any, param: str) -> str | tuple[int, ...]:
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, list) and value and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return tuple(value)
+    raise invalid(param, "a prompt must be a non-empty string or array of token ids",
+                  "invalid_type" if value is not None else "missing")
+
+
 def parse_completion(body: Any) -> CompletionRequest:
     b = _Body(body)
-    common = _common(b)
-    prompt = b.body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return CompletionRequest(common, list(prompt))
-    if not isinstance(prompt, str) or not prompt:
-        raise invalid("prompt", "'prompt' must be a non-empty string or array of token ids",
-                      "invalid_type" if prompt is not None else "missing")
-    return CompletionRequest(common, prompt)
+    top = b.get("logprobs", int)
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise invalid("logprobs", f"'logprobs' must be between 0 and {MAX_TOP_LOGPROBS}")
+    common = _common(b, top)
+    raw = b.body.get("prompt")
+    many = isinstance(raw, list) and bool(raw) and all(isinstance(p, (str, list)) for p in raw)
+    if many:
+        prompts = tuple(_prompt(p, f"prompt[{i}]") for i, p in enumerate(raw))
+    else:
+        prompts = (_prompt(raw, "prompt"),)
+    if len(prompts) * common.n > MAX_N:
+        raise invalid("prompt", f"{len(prompts)} prompts x n={common.n} choices is more than "
+                      f"{MAX_N} sequences for one request")
+    echo = b.get("echo", bool, False)
+    if echo and common.stream:
+        raise invalid("echo", "'echo' with 'stream' is not supported; ask for one of them")
+    return CompletionRequest(common, prompts, echo)
+
+
+@attrs.frozen
+class TokenizeRequest:
+    model: str
+    prompt: str
+    messages: tuple[dict[str, str], ...] | None
+    add_special_tokens: bool
+    add_generation_prompt: bool
+
+
+def parse_tokenize(body: Any) -> TokenizeRequest:
+    """vLLM's /tokenize body: ``model`` with ``prompt`` or ``messages``."""
+    b = _Body(body)
+    model = b.get("model", str)
+    if not model:
+        raise invalid("model", "'model' is required", "missing")
+    if "messages" in b.body:
+        chat = parse_chat({"model": model, "messages": b.body["messages"]})
+        return TokenizeRequest(model, "", chat.messages, b.get("add_special_tokens", bool, False),
+                               b.get("add_generation_prompt", bool, True))
+    prompt = b.get("prompt", str)
+    if prompt is None:
+        raise invalid("prompt", "give 'prompt' (a string) or 'messages'", "missing")
+    return TokenizeRequest(model, prompt, None, b.get("add_special_tokens", bool, True), False)

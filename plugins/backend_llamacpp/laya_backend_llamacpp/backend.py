@@ -12,10 +12,11 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem
 from laya_core.memory_plan import MemoryProfile, Overhead, kv_bytes_per_token
 from laya_core.model_files import ModelShape
-from laya_core.types import SamplingParams
+from laya_core.types import Sample, SamplingParams
 
 from laya_backend_llamacpp import sampling
 
@@ -113,7 +114,7 @@ class LlamaCppBackend(Backend):
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load {self.config.path}")
         vocab = self._vocab = ll.llama_model_get_vocab(self._model)
-        n_vocab = ll.llama_vocab_n_tokens(vocab)
+        n_vocab = self._n_vocab = ll.llama_vocab_n_tokens(vocab)
         self._pieces: dict[int, bytes] = {}
         template = ll.llama_model_chat_template(self._model, None)
         desc = ctypes.create_string_buffer(256)
@@ -150,6 +151,7 @@ class LlamaCppBackend(Backend):
         self._mem = ll.llama_get_memory(self._ctx)
         self._batch = ll.llama_batch_init(self.config.max_step_tokens, 0, 1)
         self._samplers: dict[int, Any] = {}
+        self._params: dict[int, SamplingParams] = {}
 
     def _special_text(self, token: int) -> str:
         if token < 0:
@@ -180,9 +182,10 @@ class LlamaCppBackend(Backend):
     def start_sequence(self, slot: int, params: SamplingParams) -> None:
         self._ll.llama_memory_seq_rm(self._mem, slot, -1, -1)
         self._free_sampler(slot)
-        self._samplers[slot] = sampling.build_chain(self._ll, params)
+        self._samplers[slot] = sampling.build_chain(self._ll, params, self._n_vocab)
+        self._params[slot] = params
 
-    def step(self, items: Sequence[StepItem]) -> list[int | None]:
+    def step(self, items: Sequence[StepItem]) -> list[Sample | None]:
         ll, batch = self._ll, self._batch
         rows: list[int | None] = []
         n = 0
@@ -201,15 +204,24 @@ class LlamaCppBackend(Backend):
         rc = ll.llama_decode(self._ctx, batch)
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc} for a batch of {n} tokens")
-        return [None if row is None else
-                int(ll.llama_sampler_sample(self._samplers[item.slot], self._ctx, row))
+        return [None if row is None else self._sample(item.slot, row)
                 for item, row in zip(items, rows, strict=True)]
+
+    def _sample(self, slot: int, row: int) -> Sample:
+        token = int(self._ll.llama_sampler_sample(self._samplers[slot], self._ctx, row))
+        top = self._params[slot].logprobs
+        if top is None:
+            return Sample(token)
+        logits = np.ctypeslib.as_array(self._ll.llama_get_logits_ith(self._ctx, row),
+                                       shape=(self._n_vocab,))
+        return sampling.logprobs_of(logits, token, top)
 
     def free_sequence(self, slot: int) -> None:
         self._ll.llama_memory_seq_rm(self._mem, slot, -1, -1)
         self._free_sampler(slot)
 
     def _free_sampler(self, slot: int) -> None:
+        self._params.pop(slot, None)
         sampler = self._samplers.pop(slot, None)
         if sampler is not None:
             self._ll.llama_sampler_free(sampler)

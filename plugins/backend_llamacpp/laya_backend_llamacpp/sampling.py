@@ -4,17 +4,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from laya_core.types import SamplingParams
+import numpy as np
+
+from laya_core.types import Sample, SamplingParams
 
 _RANDOM_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: llama.cpp draws a random seed
 
 
-def build_chain(ll: Any, params: SamplingParams) -> Any:
-    """top-k -> top-p -> min-p -> temperature -> draw, or greedy at temperature 0.
+def build_chain(ll: Any, params: SamplingParams, n_vocab: int) -> Any:
+    """penalties -> top-k -> top-p -> min-p -> temperature -> draw, or greedy at temperature 0.
 
     The chain is per sequence, so a seeded request draws the same tokens whatever runs beside it.
+    Penalties look at the tokens this sequence generated (the window is max_tokens long), as
+    OpenAI's presence and frequency penalties do.
     """
     chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+    if (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) != \
+            (0.0, 0.0, 1.0):
+        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_penalties(
+            n_vocab, params.max_tokens, params.repetition_penalty, params.frequency_penalty,
+            params.presence_penalty))
     if params.greedy:
         ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_greedy())
         return chain
@@ -28,3 +37,19 @@ def build_chain(ll: Any, params: SamplingParams) -> Any:
     seed = _RANDOM_SEED if params.seed is None else params.seed & 0xFFFFFFFF
     ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_dist(seed))
     return chain
+
+
+def logprobs_of(logits: Any, token: int, top: int) -> Sample:
+    """The chosen token's log-probability and the ``top`` likeliest, from raw logits.
+
+    Computed on the model's own distribution, before penalties and truncation, as vLLM does.
+    """
+    x = np.asarray(logits, dtype=np.float64)
+    peak = x.max()
+    log_total = peak + np.log(np.exp(x - peak).sum())
+    best: tuple[tuple[int, float], ...] = ()
+    if top:
+        ids = np.argpartition(x, -top)[-top:]
+        ids = ids[np.argsort(-x[ids], kind="stable")]
+        best = tuple((int(i), float(x[i] - log_total)) for i in ids)
+    return Sample(token, float(x[token] - log_total), best)

@@ -1,0 +1,156 @@
+"""POST /v1/chat/completions and POST /v1/completions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from sse_starlette.sse import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from laya_core.chat_template import TemplateError
+from laya_core.deployment import Deployment
+from laya_core.http import generation as gen
+from laya_core.http import openai_format as fmt
+from laya_core.http.body import json_body
+from laya_core.http.errors import APIError, invalid
+from laya_core.http.observe import Observer
+from laya_core.http.requests import ChatRequest, CompletionRequest, parse_chat, parse_completion
+from laya_core.types import FinishReason
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+async def _cancel_on_disconnect(request: Request, task: asyncio.Task[Any]) -> None:
+    """Cancel ``task`` when the client goes away (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            task.cancel()
+            return
+
+
+async def _guarded(request: Request, work: Awaitable[Any]) -> Any:
+    """Run ``work``, cancelling it if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, task))
+    try:
+        return await task
+    finally:
+        watcher.cancel()
+
+
+class CompletionHandlers:
+    def __init__(self, deployment: Deployment, observer: Observer) -> None:
+        self.deployment = deployment
+        self.observer = observer
+        self.max_body = deployment.manifest.server.max_body_bytes
+
+    async def _start(self, req: ChatRequest | CompletionRequest) -> list[gen.Running]:
+        try:
+            return await gen.start(self.deployment, req)
+        except TemplateError as e:
+            raise invalid("messages", str(e), "chat_template_error") from None
+
+    def _token_bytes(self, runs: list[gen.Running]) -> Callable[[int], bytes]:
+        return runs[0].engine.backend.token_bytes
+
+    async def chat(self, request: Request) -> Response:
+        req = parse_chat(await json_body(request, self.max_body))
+        runs = await _guarded(request, self._start(req))
+        base = {"id": gen.new_id("chatcmpl"), "object": "chat.completion.chunk",
+                "created": int(time.time()), "model": req.common.model}
+        token_bytes = self._token_bytes(runs)
+        if req.common.stream:
+            started: set[int] = set()
+
+            def chunk(i: int, event: Any) -> dict[str, Any]:
+                delta = {"content": event.text}
+                if i not in started:
+                    started.add(i)
+                    delta = {"role": "assistant", **delta}
+                lp = fmt.chat_logprobs(event.samples, token_bytes) if event.samples else None
+                finish = event.finish_reason.value if event.finish_reason else None
+                return {**base, "choices": [{"index": i, "delta": delta, "logprobs": lp,
+                                             "finish_reason": finish}]}
+
+            return self._stream(runs, req, chunk, base)
+        results = await self._collect(request, runs, req)
+        choices = [{"index": i, "message": {"role": "assistant", "content": r.text},
+                    "logprobs": fmt.chat_logprobs(r.samples, token_bytes)
+                    if req.common.logprobs is not None else None,
+                    "finish_reason": r.finish.value} for i, r in enumerate(results)]
+        return self._json(runs, req, results, {**base, "object": "chat.completion",
+                                               "choices": choices})
+
+    async def completions(self, request: Request) -> Response:
+        req = parse_completion(await json_body(request, self.max_body))
+        runs = await _guarded(request, self._start(req))
+        base = {"id": gen.new_id("cmpl"), "object": "text_completion",
+                "created": int(time.time()), "model": req.common.model}
+        token_bytes = self._token_bytes(runs)
+        if req.common.stream:
+            def chunk(i: int, event: Any) -> dict[str, Any]:
+                lp = fmt.completion_logprobs(event.samples, token_bytes) \
+                    if event.samples else None
+                finish = event.finish_reason.value if event.finish_reason else None
+                return {**base, "choices": [{"index": i, "text": event.text, "logprobs": lp,
+                                             "finish_reason": finish}]}
+
+            return self._stream(runs, req, chunk, base)
+        results = await self._collect(request, runs, req)
+        choices = []
+        for i, (run, r) in enumerate(zip(runs, results, strict=True)):
+            prefix = run.prompt_text if req.echo and run.prompt_text else ""
+            lp = fmt.completion_logprobs(r.samples, token_bytes, len(prefix)) \
+                if req.common.logprobs is not None else None
+            choices.append({"index": i, "text": prefix + r.text, "logprobs": lp,
+                            "finish_reason": r.finish.value})
+        return self._json(runs, req, results, {**base, "choices": choices})
+
+    async def _collect(self, request: Request, runs: list[gen.Running],
+                       req: ChatRequest | CompletionRequest) -> list[gen.Result]:
+        try:
+            return list(await _guarded(request, asyncio.gather(*map(gen.collect, runs))))
+        finally:
+            gen.release_all(runs)
+
+    def _json(self, runs: list[gen.Running], req: ChatRequest | CompletionRequest,
+              results: list[gen.Result], body: dict[str, Any]) -> Response:
+        timing = gen.combined_timing([r.timing for r in results])
+        route_s = max(r.route_s for r in runs)
+        body["usage"] = gen.usage(runs, req.common.n)
+        self.observer.finished(req.common.model, route_s, timing, body["usage"])
+        return JSONResponse(body, headers={"Server-Timing": gen.server_timing(route_s, timing)})
+
+    def _stream(self, runs: list[gen.Running], req: ChatRequest | CompletionRequest,
+                chunk: Callable[[int, Any], dict[str, Any]], base: dict[str, Any]) -> Response:
+        async def events() -> AsyncIterator[str]:
+            timings = []
+            try:
+                async for i, event in gen.merged(runs):
+                    if event.finish_reason is FinishReason.ERROR:
+                        yield json.dumps(APIError(500, f"generation failed: {event.error}",
+                                                  code="engine_error").body())
+                        break
+                    if event.text or event.finish_reason or event.samples:
+                        body = chunk(i, event)
+                        if event.finish_reason:
+                            timings.append(event.timing)
+                            body["laya_timing"] = gen.timing_object(runs[i].route_s,
+                                                                    event.timing)
+                        yield json.dumps(body)
+                usage = gen.usage(runs, req.common.n)
+                if req.common.include_usage:
+                    yield json.dumps({**base, "choices": [], "usage": usage})
+                self.observer.finished(req.common.model, max(r.route_s for r in runs),
+                                       gen.combined_timing(timings), usage)
+                yield "[DONE]"
+            finally:
+                gen.release_all(runs)
+
+        return EventSourceResponse(events(), ping=15)
