@@ -1,0 +1,136 @@
+"""The error battery and API keys, against the app in-process with the toy backend."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from toy_backend import ToyBackend
+
+from laya_core import manifest as mf
+from laya_core.deployment import Deployment
+from laya_core.hookspecs import hookimpl
+from laya_core.http import create_app
+from laya_core.plugins import load_registry
+
+KEY = "sk-test-0123456789"
+
+
+class ToyPlugin:
+    @hookimpl
+    def register_backends(self, register):  # type: ignore[no-untyped-def]
+        register("toy", ToyBackend)
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    weights = tmp_path_factory.mktemp("toy") / "toy.bin"
+    weights.write_bytes(b"")
+    registry = load_registry([ToyPlugin()])
+    manifest = mf.resolve(mf.from_dict({
+        "server": {"api_keys": [KEY], "max_body_bytes": 4096},
+        "models": [{"name": "toy", "backend": "toy", "path": str(weights), "max_seq_len": 64,
+                    "max_num_seqs": 2}]}), registry)
+    d = Deployment(manifest, registry)
+    d.start()
+    assert d.wait_ready(10)
+    yield d
+    d.stop()
+
+
+def call(deployment: Deployment, method: str, path: str, key: str | None = KEY,
+         **kwargs: Any) -> httpx.Response:
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=create_app(deployment))
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return await client.request(method, path, headers=headers, **kwargs)
+
+    return asyncio.run(go())
+
+
+def test_api_keys_guard_everything_but_health(deployment: Deployment) -> None:
+    assert call(deployment, "GET", "/health", key=None).status_code == 200
+    for path in ("/v1/models", "/ready", "/metrics"):
+        r = call(deployment, "GET", path, key=None)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert call(deployment, "GET", path, key="sk-wrong-0123456789").status_code == 401
+        assert call(deployment, "GET", path).status_code == 200
+    r = call(deployment, "POST", "/v1/completions", key=None, json={"model": "toy"})
+    assert r.status_code == 401
+
+
+GOOD = {"model": "toy", "prompt": "abc", "max_tokens": 3}
+CHAT = {"model": "toy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), [
+    ("/v1/completions", {**GOOD, "max_tokens": "3"}, 400, "max_tokens"),
+    ("/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {**GOOD, "max_tokens": 100}, 400, "max_tokens"),
+    ("/v1/completions", {**GOOD, "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {**GOOD, "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {**GOOD, "top_k": -5}, 400, "top_k"),
+    ("/v1/completions", {**GOOD, "n": 0}, 400, "n"),
+    ("/v1/completions", {**GOOD, "n": 99}, 400, "n"),
+    ("/v1/completions", {**GOOD, "stop": [1]}, 400, "stop"),
+    ("/v1/completions", {**GOOD, "seed": 1.5}, 400, "seed"),
+    ("/v1/completions", {**GOOD, "logprobs": 50}, 400, "logprobs"),
+    ("/v1/completions", {**GOOD, "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
+    ("/v1/completions", {**GOOD, "echo": True, "stream": True}, 400, "echo"),
+    ("/v1/completions", {**GOOD, "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "prompt": [1, 2, 999]}, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "prompt": "x" * 80}, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "model": "nope"}, 404, "model"),
+    ("/v1/completions", {"prompt": "abc"}, 400, "model"),
+    ("/v1/completions", {**GOOD, "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {**GOOD, "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ("/v1/completions", [1, 2], 400, "body"),
+    ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, 400,
+     "messages[0].role"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user"}]}, 400,
+     "messages[0].content"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content[0]"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    ("/tokenize", {"model": "toy"}, 400, "prompt"),
+    ("/detokenize", {"model": "toy", "tokens": ["a"]}, 400, "tokens"),
+])
+def test_invalid_requests_name_the_field(deployment: Deployment, path: str, body: Any,
+                                         status: int, param: str) -> None:
+    r = call(deployment, "POST", path, json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+
+
+def test_malformed_and_oversized_bodies(deployment: Deployment) -> None:
+    r = call(deployment, "POST", "/v1/completions", content=b"{nope")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = call(deployment, "POST", "/v1/completions", content=b"\xff\xfe")
+    assert r.status_code == 400
+    r = call(deployment, "POST", "/v1/completions",
+             json={**GOOD, "prompt": "x" * 10_000})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "body"
+
+
+def test_unknown_paths_and_methods_use_the_error_shape(deployment: Deployment) -> None:
+    r = call(deployment, "GET", "/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    r = call(deployment, "GET", "/v1/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_a_good_request_still_works(deployment: Deployment) -> None:
+    r = call(deployment, "POST", "/v1/completions", json=GOOD)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "abc"
