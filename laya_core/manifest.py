@@ -46,6 +46,7 @@ class ServerConfig:
     port: int = 8000
     api_keys: tuple[str, ...] = ()
     max_body_bytes: int = 4 * 2**20
+    shutdown_timeout_s: float = 30.0  # in-flight requests may finish this long after SIGTERM
 
 
 @attrs.frozen
@@ -147,8 +148,12 @@ def _server(data: Any) -> ServerConfig:
             raise ManifestError("server.api_keys_file", f"cannot read {key_file}: {e}") from e
         keys += [line.strip() for line in lines if line.strip() and not line.startswith("#")]
     body = t.get("max_body_bytes", (int, str), 4 * 2**20)
-    t.finish(("host", "port", "api_keys", "api_keys_env", "api_keys_file", "max_body_bytes"))
-    return ServerConfig(host, port, tuple(keys), parse_size(body, "server.max_body_bytes"))
+    shutdown = t.get("shutdown_timeout_s", (int, float), 30.0,
+                     check=lambda v: None if 0 <= v <= 3600 else "must be 0 to 3600 seconds")
+    t.finish(("host", "port", "api_keys", "api_keys_env", "api_keys_file", "max_body_bytes",
+              "shutdown_timeout_s"))
+    return ServerConfig(host, port, tuple(keys), parse_size(body, "server.max_body_bytes"),
+                        float(shutdown))
 
 
 def _memory(data: Any) -> MemoryConfig:

@@ -24,7 +24,9 @@ def hypercorn_config(manifest: Manifest) -> Config:
     config.bind = [f"[{host}]:{manifest.server.port}" if ":" in host
                    else f"{host}:{manifest.server.port}"]
     config.accesslog = None
-    config.graceful_timeout = 10.0
+    # After SIGTERM/SIGINT Hypercorn stops accepting and lets in-flight requests (streams
+    # included) run this long; what is left is cancelled and the engines then stop.
+    config.graceful_timeout = manifest.server.shutdown_timeout_s
     return config
 
 
