@@ -50,6 +50,8 @@ def serve(manifest: Manifest, registry: Registry, plan: Plan | None = None) -> i
     try:
         asyncio.run(_serve(deployment))
     finally:
+        # Shutting down already: a repeated SIGTERM must not cut the engines' cleanup short.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         deployment.stop()
     failed = [e for e in deployment.engines if e.error]
     for engine in failed:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -22,6 +23,8 @@ from laya_core.http.metrics import metrics_registry
 from laya_core.http.observe import Observer
 from laya_core.http.requests import parse_tokenize
 from laya_core.http.status import deployment_status
+
+log = logging.getLogger(__name__)
 
 
 def create_app(deployment: Deployment) -> Starlette:
@@ -100,6 +103,11 @@ def create_app(deployment: Deployment) -> Starlette:
         assert isinstance(exc, APIError)
         return exc.response()
 
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return APIError(500, f"internal error ({type(exc).__name__}); the server log has the "
+                        "details", code="internal_error").response()
+
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         return APIError(exc.status_code, exc.detail or "error", code="http_error").response()
@@ -116,7 +124,8 @@ def create_app(deployment: Deployment) -> Starlette:
         Route("/detokenize", detokenize, methods=["POST"]),
     ]
     app = Starlette(routes=routes,
-                    exception_handlers={APIError: api_error, HTTPException: http_error})
+                    exception_handlers={APIError: api_error, HTTPException: http_error,
+                                        Exception: unexpected})
     if server.api_keys:
         app.add_middleware(ApiKeyMiddleware, keys=server.api_keys, open_paths={"/health"})
     app.state.deployment = deployment

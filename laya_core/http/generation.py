@@ -137,6 +137,9 @@ async def start(deployment: Deployment, request: ChatRequest | CompletionRequest
     runs: list[Running] = []
     try:
         for prompt, text in prompts:
+            if not prompt:
+                raise invalid(param, "the prompt holds no tokens once tokenized; send text "
+                              "the model can read", "empty_prompt")
             if len(prompt) >= limit:
                 deployment.rejections[req.model, "too_long"] += 1
                 raise invalid(param, f"the prompt has {len(prompt)} tokens; this model's "

@@ -64,7 +64,8 @@ def test_sigterm_lets_a_stream_finish_and_refuses_new_connections(tmp_path: Path
     except httpx.HTTPError:
         refused = True
     thread.join(60)
-    code = server.stop()
+    code = server.proc.wait(30)
+    server.stop()
     assert refused, "a new connection was served after SIGTERM"
     assert result["finish"] == "length" and result["done"] and result["chunks"] >= 40
     assert code == 0, server.log()
