@@ -36,6 +36,7 @@ class ModelConfig:
     cache_policy: str = "blocks"
     kv_cache_tokens: int | None = None  # the KV pool; None: max_seq_len x max_num_seqs
     kv_cache_dtype: str = "f16"
+    prefix_caching: bool = True  # reuse KV of prompts' known beginnings
     max_queue: int = 64  # requests waiting for room; more get 429
     queue_timeout_s: float = 30.0  # a request waiting longer gets 503
     options: dict[str, Any] = attrs.field(factory=dict)
@@ -76,6 +77,8 @@ class Backend(abc.ABC):
     name: ClassVar[str]
     # KV cache element types this backend can store (see memory_plan.KV_DTYPES).
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("f16",)
+    # Whether share_prefix and start_sequence(keep_tokens=) work, enabling prefix reuse.
+    supports_prefix_sharing: ClassVar[bool] = False
 
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
@@ -116,8 +119,17 @@ class Backend(abc.ABC):
         """The bytes of one token's text; may end in the middle of a UTF-8 character."""
 
     @abc.abstractmethod
-    def start_sequence(self, slot: int, params: SamplingParams) -> None:
-        """Prepare ``slot`` for a new sequence (its sampler, an empty KV range)."""
+    def start_sequence(self, slot: int, params: SamplingParams, keep_tokens: int = 0) -> None:
+        """Prepare ``slot`` for a new sequence: its sampler, and a KV range that keeps only its
+        first ``keep_tokens`` positions (0: empty)."""
+
+    def share_prefix(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
+        """Make positions ``0 .. num_tokens-1`` of ``dst_slot`` hold ``src_slot``'s KV.
+
+        Called right after ``start_sequence(dst_slot, ...)``; only when
+        ``supports_prefix_sharing`` is true.
+        """
+        raise NotImplementedError
 
     @abc.abstractmethod
     def step(self, items: Sequence[StepItem]) -> list[Sample | None]:

@@ -124,6 +124,8 @@ class Engine:
         self._lock = threading.Lock()  # guards the two counters below
         self._num_queued = 0  # submitted, not yet admitted or finished
         self.rejections: dict[str, int] = {"queue_full": 0, "queue_timeout": 0}
+        self.prefix_hits = 0  # sequences that reused cached KV instead of prefilling it
+        self.prefix_tokens_reused = 0
         self._ready = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"laya-engine-{config.name}-{replica_id}", daemon=True)
@@ -193,10 +195,18 @@ class Engine:
 
     @property
     def kv_used_tokens(self) -> int:
+        """KV tokens reserved by live sequences (retained prefixes not counted)."""
         if self.scheduler is None:
             return 0
-        cache = self.scheduler.cache
-        return cache.num_used_blocks * cache.block_size
+        s = self.scheduler
+        return (s.cache.num_used_blocks - s.num_retained_blocks) * s.cache.block_size
+
+    @property
+    def kv_cached_tokens(self) -> int:
+        """KV tokens of finished sequences kept for prefix reuse; freed whenever needed."""
+        if self.scheduler is None:
+            return 0
+        return self.scheduler.num_retained_blocks * self.scheduler.cache.block_size
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -208,7 +218,9 @@ class Engine:
 
     @property
     def kv_usage(self) -> float:
-        return self.scheduler.cache.usage if self.scheduler else 0.0
+        """Fraction of the pool reserved by live sequences."""
+        capacity = self.kv_capacity_tokens
+        return self.kv_used_tokens / capacity if capacity else 0.0
 
     # -- the engine thread -------------------------------------------------------------------
 
@@ -221,7 +233,9 @@ class Engine:
         pool_tokens = self.config.kv_cache_tokens or self.max_seq_len * num_seqs
         cache = self._cache_cls(pool_tokens)
         self.backend.allocate_cache(n_ctx=pool_tokens, max_num_seqs=num_seqs)
-        sched_config = SchedulerConfig(num_seqs, max(num_seqs, self.config.max_step_tokens))
+        sched_config = SchedulerConfig(
+            num_seqs, max(num_seqs, self.config.max_step_tokens),
+            prefix_caching=self.config.prefix_caching and self.backend.supports_prefix_sharing)
         self.scheduler = self._scheduler_cls(sched_config, cache)
 
     def _run(self) -> None:
@@ -270,6 +284,22 @@ class Engine:
             return
         self._live[live.seq.seq_id] = live
 
+    def _start(self, seq: Sequence) -> None:
+        """Prepare the backend slot, with the reused prefix's KV in place when there is one."""
+        slot = seq.slot
+        assert slot is not None
+        if seq.reuse is None:
+            self.backend.start_sequence(slot, seq.params)
+            return
+        source, n = seq.reuse
+        if source == slot:  # a retained slot taken over: keep its first n tokens
+            self.backend.start_sequence(slot, seq.params, keep_tokens=n)
+        else:
+            self.backend.start_sequence(slot, seq.params)
+            self.backend.share_prefix(source, slot, n)
+        self.prefix_hits += 1
+        self.prefix_tokens_reused += n
+
     def _expire_waiting(self) -> None:
         """Refuse requests that waited for room longer than queue_timeout_s."""
         assert self.scheduler is not None
@@ -287,10 +317,12 @@ class Engine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return
+        for slot in self.scheduler.take_evicted():
+            self.backend.free_sequence(slot)
         for seq in self.scheduler.running:
             live = self._live[seq.seq_id]
             if not live.started:
-                self.backend.start_sequence(seq.slot, seq.params)  # type: ignore[arg-type]
+                self._start(seq)
                 live.started = True
                 self._dequeued()
                 live.sink(ADMITTED)
@@ -338,10 +370,11 @@ class Engine:
         seq = live.seq
         assert self.scheduler is not None
         slot = seq.slot
-        self.scheduler.finish(seq)
-        if live.started:
+        retain = reason in (FinishReason.STOP, FinishReason.LENGTH)
+        kept = self.scheduler.finish(seq, retain=retain and live.started)
+        if live.started and not kept:
             self.backend.free_sequence(slot)  # type: ignore[arg-type]
-        else:
+        elif not live.started:
             self._dequeued()
         seq.finish_reason = reason
         seq.finished_time = time.perf_counter()

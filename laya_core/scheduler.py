@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import abc
 import collections
+import itertools
 import time
 
 import attrs
 
 from laya_core.cache import CachePolicy
+from laya_core.prefix_cache import PrefixCache, best_match
 from laya_core.sequence import Sequence, SequenceStatus
 
 
@@ -21,6 +23,8 @@ class SchedulerConfig:
     max_num_seqs: int = attrs.field(validator=attrs.validators.ge(1))
     # Tokens one engine step may feed the model: one per decoding sequence, the rest prefill.
     max_step_tokens: int = attrs.field(default=512, validator=attrs.validators.ge(1))
+    # Keep finished sequences' KV for later prompts that start the same way.
+    prefix_caching: bool = False
 
 
 @attrs.frozen
@@ -46,6 +50,19 @@ class Scheduler(abc.ABC):
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        self.prefix = PrefixCache()
+        self._retained_blocks: dict[int, int] = {}  # slot -> blocks its retained KV holds
+        self._evicted: list[int] = []  # retained slots whose KV the backend must drop
+
+    @property
+    def num_retained_blocks(self) -> int:
+        """Blocks holding finished sequences' KV, given back whenever room is needed."""
+        return sum(self._retained_blocks.values())
+
+    def take_evicted(self) -> list[int]:
+        """Slots evicted since the last call; the engine drops their KV before the next step."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
 
     @property
     def has_work(self) -> bool:
@@ -59,30 +76,77 @@ class Scheduler(abc.ABC):
             )
         self.waiting.append(seq)
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a sequence, waiting or running, and give back its cache and slot."""
+    def finish(self, seq: Sequence, retain: bool = False) -> bool:
+        """Remove a sequence, waiting or running, and give back its cache and slot.
+
+        With ``retain`` (and prefix caching on) a running sequence's computed KV stays in its
+        slot for later prompts; returns whether it did.
+        """
+        kept = False
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.cache.free(seq.seq_id)
             assert seq.slot is not None
-            self._free_slots.append(seq.slot)
+            kept = retain and self.config.prefix_caching and seq.num_computed > 0
+            if kept:
+                tokens = (seq.prompt_token_ids + seq.output_token_ids)[: seq.num_computed]
+                self.cache.allocate(_retained_key(seq.slot), len(tokens))  # fits: just freed
+                self._retained_blocks[seq.slot] = self.cache.blocks_for(len(tokens))
+                self.prefix.retain(seq.slot, tokens)
+            else:
+                self._free_slots.append(seq.slot)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
+        return kept
 
     def can_admit(self, seq: Sequence) -> bool:
-        return bool(self._free_slots) and self.cache.can_allocate(seq.max_total_tokens)
+        """Whether the sequence fits now, counting retained KV as room (it can be evicted)."""
+        slots = len(self._free_slots) + len(self.prefix)
+        blocks = self.cache.num_free_blocks + self.num_retained_blocks
+        return slots > 0 and self.cache.blocks_for(seq.max_total_tokens) <= blocks
 
     def admit(self, seq: Sequence) -> None:
+        """Give the sequence a slot and its worst case of cache, reusing a known prefix."""
+        match = self._best_prefix(seq) if self.config.prefix_caching else None
+        if match is not None and match[0] in self.prefix:
+            seq.slot = match[0]  # take over the retained slot: its KV is the prefix
+            self._drop_retained(seq.slot)
+        while not (seq.slot is not None or self._free_slots) or \
+                not self.cache.can_allocate(seq.max_total_tokens):
+            victim = self.prefix.oldest()
+            assert victim is not None, "admit() without can_admit()"
+            self._drop_retained(victim)
+            self._free_slots.append(victim)
+            self._evicted.append(victim)
+        if seq.slot is None:
+            seq.slot = self._free_slots.pop()
+        if match is not None:
+            seq.reuse = match
+            seq.num_computed = match[1]
         self.cache.allocate(seq.seq_id, seq.max_total_tokens)
-        seq.slot = self._free_slots.pop()
         seq.status = SequenceStatus.RUNNING
         seq.admitted_time = time.perf_counter()
         self.running.append(seq)
 
+    def _drop_retained(self, slot: int) -> None:
+        self.prefix.take(slot)
+        self.cache.free(_retained_key(slot))
+        del self._retained_blocks[slot]
+
+    def _best_prefix(self, seq: Sequence) -> tuple[int, int] | None:
+        live = ((s.slot, (s.prompt_token_ids + s.output_token_ids)[: s.num_computed])
+                for s in self.running if s.num_computed and s.slot is not None)
+        return best_match(seq.prompt_token_ids, itertools.chain(self.prefix.entries(), live))
+
     @abc.abstractmethod
     def schedule(self) -> list[Chunk]:
         """Admit what fits and return this step's chunks (empty when there is nothing to do)."""
+
+
+def _retained_key(slot: int) -> int:
+    """Cache-policy key of a retained slot's KV: negative, so never a sequence id."""
+    return -1 - slot
 
 
 class FcfsScheduler(Scheduler):

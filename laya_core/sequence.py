@@ -34,6 +34,9 @@ class Sequence:
     slot: int | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
+    # Set at admission when the KV of a leading part of the prompt already exists in the cache:
+    # (slot holding it, number of tokens). The engine has the backend share it before prefill.
+    reuse: tuple[int, int] | None = None
     # Timestamps (perf_counter seconds) for per-layer timing.
     admitted_time: float | None = None
     first_token_time: float | None = None

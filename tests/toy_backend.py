@@ -38,10 +38,17 @@ class ToyBackend(Backend):
     def token_bytes(self, token_id: int) -> bytes:
         return b"" if token_id == END else bytes([token_id])
 
-    def start_sequence(self, slot: int, params: SamplingParams) -> None:
+    supports_prefix_sharing = True
+
+    def start_sequence(self, slot: int, params: SamplingParams, keep_tokens: int = 0) -> None:
         assert 0 <= slot < self.max_num_seqs
-        assert slot not in self.fed, f"slot {slot} started twice"
-        self.fed[slot] = []
+        assert keep_tokens or slot not in self.fed, f"slot {slot} started twice"
+        self.fed[slot] = self.fed.get(slot, [])[:keep_tokens]
+        self.prompt_len.pop(slot, None)
+
+    def share_prefix(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
+        assert not self.fed[dst_slot]
+        self.fed[dst_slot] = self.fed[src_slot][:num_tokens]
 
     def step(self, items: Sequence[StepItem]) -> list[Sample | None]:
         self.steps.append(list(items))
@@ -62,6 +69,6 @@ class ToyBackend(Backend):
         return out
 
     def free_sequence(self, slot: int) -> None:
-        del self.fed[slot]
+        self.fed.pop(slot)
         self.prompt_len.pop(slot, None)
 

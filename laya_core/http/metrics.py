@@ -31,6 +31,13 @@ class DeploymentCollector:
         usage = gauge("kv_cache_usage_perc", "Fraction of the KV pool in use (0 to 1).")
         used = gauge("kv_cache_used_tokens", "KV cache tokens reserved by live sequences.")
         capacity = gauge("kv_cache_capacity_tokens", "Tokens the fixed KV pool holds.")
+        cached = gauge("kv_cache_cached_tokens",
+                       "KV tokens of finished sequences kept for prefix reuse (reclaimable).")
+        hits = CounterMetricFamily("laya:prefix_cache_hits", "Sequences that reused cached KV.",
+                                   labels=_LABELS)
+        reused = CounterMetricFamily("laya:prefix_cache_tokens_reused",
+                                     "Prompt tokens not prefilled thanks to cached KV.",
+                                     labels=_LABELS)
         rejected = CounterMetricFamily("laya:request_rejections", "Requests refused, by reason.",
                                        labels=[*_LABELS, "reason"])
         for e in d.engines:
@@ -40,11 +47,14 @@ class DeploymentCollector:
             usage.add_metric(labels, e.kv_usage)
             used.add_metric(labels, e.kv_used_tokens)
             capacity.add_metric(labels, e.kv_capacity_tokens)
+            cached.add_metric(labels, e.kv_cached_tokens)
+            hits.add_metric(labels, e.prefix_hits)
+            reused.add_metric(labels, e.prefix_tokens_reused)
             for reason, count in e.rejections.items():
                 rejected.add_metric([*labels, reason], count)
         for (model, reason), count in d.rejections.items():
             rejected.add_metric([model, "", reason], count)
-        yield from (running, waiting, usage, used, capacity, rejected)
+        yield from (running, waiting, usage, used, capacity, cached, hits, reused, rejected)
         if d.plan is not None:
             budget = GaugeMetricFamily("laya:memory_budget_bytes", "The memory budget in force.")
             budget.add_metric([], d.plan.budget.bytes)

@@ -19,6 +19,9 @@ def deployment_status(d: Deployment) -> dict[str, Any]:
             "kv_cache_capacity_tokens": e.kv_capacity_tokens,
             "kv_cache_used_tokens": e.kv_used_tokens,
             "kv_cache_used_bytes": e.kv_used_tokens * per_token,
+            "kv_cache_cached_tokens": e.kv_cached_tokens,
+            "prefix_cache_hits": e.prefix_hits,
+            "prefix_cache_tokens_reused": e.prefix_tokens_reused,
             "kv_pool_bytes": ledger.kv_pool_bytes if ledger else None,
             "rejections": dict(e.rejections),
         })

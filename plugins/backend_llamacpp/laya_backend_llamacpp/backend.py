@@ -71,6 +71,7 @@ class LlamaCppBackend(Backend):
 
     name = "llamacpp"
     kv_cache_dtypes = ("f16", "f32", "bf16", "q8_0", "q4_0")
+    supports_prefix_sharing = True
 
     @classmethod
     def memory_profile(cls, config: ModelConfig, shape: ModelShape) -> MemoryProfile:
@@ -179,8 +180,8 @@ class LlamaCppBackend(Backend):
             piece = self._pieces[token_id] = buf.raw[: max(n, 0)]
         return piece
 
-    def start_sequence(self, slot: int, params: SamplingParams) -> None:
-        self._ll.llama_memory_seq_rm(self._mem, slot, -1, -1)
+    def start_sequence(self, slot: int, params: SamplingParams, keep_tokens: int = 0) -> None:
+        self._ll.llama_memory_seq_rm(self._mem, slot, keep_tokens, -1)
         self._free_sampler(slot)
         self._samplers[slot] = sampling.build_chain(self._ll, params, self._n_vocab)
         self._params[slot] = params
@@ -215,6 +216,11 @@ class LlamaCppBackend(Backend):
         logits = np.ctypeslib.as_array(self._ll.llama_get_logits_ith(self._ctx, row),
                                        shape=(self._n_vocab,))
         return sampling.logprobs_of(logits, token, top)
+
+    def share_prefix(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
+        # In the unified KV cache this tags the source's cells with the new sequence id too:
+        # no copy and no new memory, and the cells live on while either sequence holds them.
+        self._ll.llama_memory_seq_cp(self._mem, src_slot, dst_slot, 0, num_tokens)
 
     def free_sequence(self, slot: int) -> None:
         self._ll.llama_memory_seq_rm(self._mem, slot, -1, -1)
