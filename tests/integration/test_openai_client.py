@@ -101,16 +101,11 @@ def test_async_client_concurrent_streams_all_complete(smollm_server: ServerProce
             return await asyncio.gather(*(one(aclient, i) for i in range(10)))
 
     results = asyncio.run(go())
-    same = 0
     for i, (text, finish) in enumerate(results):
         alone = client.completions.create(model="smollm2", prompt=f"Story number {i}:",
-                                        max_tokens=20, temperature=0).choices[0]
-        assert finish in ("length", "stop") and text
-        same += (text, finish) == (alone.text, alone.finish_reason)
-    # llama.cpp's sums are not batch-invariant: a prompt prefilled beside other sequences can
-    # flip a near-tie between two tokens and then go its own way. A stream that got another
-    # request's tokens would differ from its solo run in almost every case, not in one or two.
-    assert same >= 8, f"only {same} of 10 concurrent streams matched their solo runs"
+                                          max_tokens=20, temperature=0).choices[0]
+        # Each slot has its own KV stream, so batched or alone a request's output is its own.
+        assert (text, finish) == (alone.text, alone.finish_reason)
 
 
 def test_errors_use_the_openai_shape(client: openai.OpenAI) -> None:

@@ -8,6 +8,7 @@ for logits. ``llama_cpp`` is imported in ``load_weights``, never at import time.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +24,7 @@ from laya_backend_llamacpp import sampling
 _GGML_LOG_LEVEL_ERROR = 4
 _FLASH_ATTN = {"auto": -1, False: 0, True: 1}  # llama_flash_attn_type
 _PIECE_BUF = 256
+_KV_CELL_ALIGN = 256  # llama.cpp pads each KV stream to this many cells
 _VOCAB_BYTES_PER_TOKEN = 512
 _GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}  # enum ggml_type  # bytes; the longest token piece of common vocabularies is far shorter
 
@@ -51,6 +53,24 @@ def _silence_llama_logs(ll: Any) -> None:
     ll.llama_log_set(callback, ctypes.c_void_p(0))
 
 
+def kv_layout(config: ModelConfig, n_ctx: int, num_seqs: int) -> tuple[bool, int]:
+    """Whether the slots share one KV buffer, and the cells llama.cpp will allocate.
+
+    Each slot gets a KV stream of its own whenever the pool holds max_seq_len for every slot
+    (the default): attention then runs over that sequence's cells alone, so a sequence's
+    output does not depend on what shares its batch (measured: 16 staggered greedy requests,
+    3 diverged from their solo runs within 24 tokens with one shared buffer, none with
+    streams). A pool smaller than that (kv_cache_tokens) must be shared. llama.cpp rounds
+    each stream up to a multiple of 256 cells.
+    """
+    unified = config.options.get("kv_unified")
+    if unified is None:
+        unified = config.max_seq_len is not None and n_ctx < config.max_seq_len * num_seqs
+    streams = 1 if unified else num_seqs
+    per_stream = math.ceil(math.ceil(n_ctx / streams) / _KV_CELL_ALIGN) * _KV_CELL_ALIGN
+    return bool(unified), per_stream * streams
+
+
 def default_threads() -> int:
     """All usable cores but one, which stays free for the HTTP loop and detokenizing.
 
@@ -66,6 +86,7 @@ class LlamaCppBackend(Backend):
     """llama.cpp through llama-cpp-python's low-level C API.
 
     Options (``[models.options]``): ``n_threads`` (default: all cores but one), ``use_mmap`` (true),
+    ``kv_unified`` (default: a KV stream per slot when the pool allows, see ``kv_layout``),
     ``flash_attn`` (``"auto"``, true or false; default ``"auto"``).
     """
 
@@ -83,6 +104,9 @@ class LlamaCppBackend(Backend):
         n_ubatch x n_ctx x heads x 4 B (326 MiB at n_ctx 16384), counted here in full.
         """
         step, seqs = config.max_step_tokens, config.max_num_seqs or 1
+        pool = config.kv_cache_tokens or 0
+        per_token = kv_bytes_per_token(shape, config.kv_cache_dtype)
+        unified, cells = kv_layout(config, pool, seqs)
         compute = step * (shape.vocab_size + 2 * shape.hidden_size) * 4
         how = f"{step} step tokens x (vocab {shape.vocab_size} + 2 x hidden) x 4 B"
         if config.options.get("flash_attn", "auto") is False:
@@ -90,10 +114,12 @@ class LlamaCppBackend(Backend):
             how += " + attention scores (flash attention off)"
         return MemoryProfile(
             weights_bytes=shape.weights_bytes, weights_source=shape.weights_source,
-            kv_bytes_per_token=kv_bytes_per_token(shape, config.kv_cache_dtype),
-            kv_dtype=config.kv_cache_dtype,
+            kv_bytes_per_token=per_token, kv_dtype=config.kv_cache_dtype,
             overheads=(
                 Overhead("compute buffer", compute, how),
+                Overhead("KV padding", (cells - pool) * per_token,
+                         f"{cells} cells in {'one buffer' if unified else f'{seqs} streams'}: "
+                         f"llama.cpp rounds each to {_KV_CELL_ALIGN}"),
                 Overhead("logits buffer", shape.vocab_size * seqs * 4,
                          f"vocab x {seqs} sequences x 4 B"),
                 Overhead("vocabulary", shape.vocab_size * _VOCAB_BYTES_PER_TOKEN,
@@ -141,8 +167,8 @@ class LlamaCppBackend(Backend):
         params.n_batch = params.n_ubatch = self.config.max_step_tokens
         threads = int(self.config.options.get("n_threads", default_threads()))
         params.n_threads = params.n_threads_batch = threads
-        # All slots share one pool, so a long sequence may use what short ones leave free.
-        params.kv_unified = True
+        self._unified, _ = kv_layout(self.config, n_ctx, max_num_seqs)
+        params.kv_unified = self._unified
         params.type_k = params.type_v = _GGML_TYPE[self.config.kv_cache_dtype]
         params.no_perf = True
         params.flash_attn_type = _FLASH_ATTN[self.config.options.get("flash_attn", "auto")]
@@ -218,9 +244,16 @@ class LlamaCppBackend(Backend):
         return sampling.logprobs_of(logits, token, top)
 
     def share_prefix(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
-        # In the unified KV cache this tags the source's cells with the new sequence id too:
-        # no copy and no new memory, and the cells live on while either sequence holds them.
-        self._ll.llama_memory_seq_cp(self._mem, src_slot, dst_slot, 0, num_tokens)
+        ll = self._ll
+        if self._unified:
+            # One buffer: the source's cells are tagged with the new sequence id too; no copy
+            # and no new memory, and the cells live while either sequence holds them.
+            ll.llama_memory_seq_cp(self._mem, src_slot, dst_slot, 0, num_tokens)
+            return
+        # Separate streams: llama.cpp copies whole streams only (inside the destination's own
+        # preallocated buffer, before the next decode); the tail past the prefix is dropped.
+        ll.llama_memory_seq_cp(self._mem, src_slot, dst_slot, -1, -1)
+        ll.llama_memory_seq_rm(self._mem, dst_slot, num_tokens, -1)
 
     def free_sequence(self, slot: int) -> None:
         self._ll.llama_memory_seq_rm(self._mem, slot, -1, -1)
