@@ -53,7 +53,8 @@ def _params(req: GenerationRequest, max_tokens: int, choice: int) -> SamplingPar
     seed = None if req.seed is None else req.seed + choice  # n choices must differ
     return SamplingParams(
         max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-        min_p=req.min_p, seed=seed, stop=req.stop, presence_penalty=req.presence_penalty,
+        min_p=req.min_p, seed=seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
         logprobs=req.logprobs)
 

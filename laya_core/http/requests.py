@@ -47,6 +47,8 @@ class GenerationRequest:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: none; else top alternatives per token
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
 
 
 @attrs.frozen
@@ -126,11 +128,16 @@ def _common(b: _Body, logprobs: int | None) -> GenerationRequest:
     if not isinstance(include_usage, bool):
         raise invalid("stream_options.include_usage", "'include_usage' must be a boolean",
                       "invalid_type")
+    stop_ids = b.get("stop_token_ids", list, [])
+    if len(stop_ids) > 64 or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                     for t in stop_ids):
+        raise invalid("stop_token_ids", "'stop_token_ids' must be at most 64 token ids (>= 0)")
     n = b.get("n", int, 1)
     if not 1 <= n <= MAX_N:
         raise invalid("n", f"'n' must be between 1 and {MAX_N}, got {n}")
     return GenerationRequest(
-        n=n, logprobs=logprobs,
+        n=n, logprobs=logprobs, stop_token_ids=tuple(stop_ids),
+        ignore_eos=b.get("ignore_eos", bool, False),
         presence_penalty=b.number("presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=b.number("frequency_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=b.number("repetition_penalty", 1.0, 0.01, 10.0),

@@ -154,3 +154,38 @@ def test_dropped_streams_free_the_cache(smollm_server: ServerProcess) -> None:
     assert replica["running"] == 0 and replica["waiting"] == 0
     assert replica["kv_cache_used_tokens"] == 0
     assert httpx.get(f"{smollm_server.url}/health").status_code == 200
+
+
+def test_seeded_sampling_is_the_same_beside_other_requests(smollm_server: ServerProcess,
+                                                          client: openai.OpenAI) -> None:
+    body = {"model": "smollm2", "prompt": "My favourite animal is", "max_tokens": 16,
+            "temperature": 1.0, "top_p": 0.95, "seed": 42}
+    alone = client.completions.create(**body).choices[0].text  # type: ignore[call-overload]
+
+    async def crowd() -> list[str]:
+        async with httpx.AsyncClient(base_url=smollm_server.url, timeout=60) as c:
+            others = [c.post("/v1/completions", json={**body, "seed": s, "prompt": f"Noise {s}"})
+                      for s in range(7)]
+            results = await asyncio.gather(c.post("/v1/completions", json=body), *others)
+            return [r.json()["choices"][0]["text"] for r in results]
+
+    assert asyncio.run(crowd())[0] == alone
+
+
+def test_stop_token_ids_and_ignore_eos(client: openai.OpenAI) -> None:
+    plain = client.completions.create(model="smollm2", prompt="The capital of France is",
+                                      max_tokens=8, temperature=0, logprobs=0)
+    tokens = plain.choices[0].logprobs.tokens  # type: ignore[union-attr]
+    assert tokens and tokens[0] == " Paris"
+    tid = httpx.post(f"{client.base_url}".replace("/v1/", "/tokenize"),
+                     json={"model": "smollm2", "prompt": " Paris",
+                           "add_special_tokens": False}).json()["tokens"]
+    stopped = client.completions.create(model="smollm2", prompt="The capital of France is",
+                                        max_tokens=8, temperature=0,
+                                        extra_body={"stop_token_ids": tid})
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage is not None and stopped.usage.completion_tokens == 1
+    chat = [{"role": "user", "content": "Say hi."}]
+    full = client.chat.completions.create(model="smollm2", messages=chat, max_tokens=40,  # type: ignore[arg-type]
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert full.choices[0].finish_reason == "length"
