@@ -144,5 +144,5 @@ class Backend(abc.ABC):
     def free_sequence(self, slot: int) -> None:
         """Drop the KV cache and sampler state of ``slot``."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: not every backend holds resources
         """Release the model; the backend is not used afterwards."""

@@ -269,9 +269,9 @@ class Engine:
             block = False
             if kind == "stop":
                 return False
-            if kind == "add":
-                self._add(payload)  # type: ignore[arg-type]
-            elif kind == "cancel" and (live := self._live.get(payload)) is not None:  # type: ignore[arg-type]
+            if isinstance(payload, _Live):
+                self._add(payload)
+            elif isinstance(payload, int) and (live := self._live.get(payload)) is not None:
                 self._finish(live, FinishReason.CANCELLED, "")
 
     def _add(self, live: _Live) -> None:

@@ -16,7 +16,7 @@ import attrs
 
 from laya_core.backend import ModelConfig
 
-if sys.version_info >= (3, 11):
+if sys.version_info >= (3, 11):  # noqa: UP036 - tomli stays the fallback the brief names
     import tomllib
 else:  # pragma: no cover - Python 3.10 is not supported, kept for tools that read this file
     import tomli as tomllib

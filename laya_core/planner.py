@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 
@@ -80,54 +81,63 @@ def _largest(fits: Callable[[int], bool], low: int, high: int) -> int | None:
 
 def _suggestions(configs: list[tuple[ModelConfig, ModelShape, type[Backend]]],
                  budget: budget_mod.Budget) -> list[str]:
-    out = []
-    for i, (config, shape, cls) in enumerate(configs):
-        def fits_with(**changes: object) -> bool:
-            trial = list(configs)
-            trial[i] = (attrs.evolve(config, **changes), shape, cls)
-            return _plan_for(trial, budget).fits
-
-        key = f"models[{i}]"
-        seqs, seq_len = config.max_num_seqs or 1, config.max_seq_len or _SEQ_LEN_STEP
-        steps = _largest(lambda n: fits_with(max_seq_len=n * _SEQ_LEN_STEP,
-                                             kv_cache_tokens=n * _SEQ_LEN_STEP * seqs),
-                         1, (seq_len - 1) // _SEQ_LEN_STEP)
-        if steps:
-            out.append(f"{key}.max_seq_len = {steps * _SEQ_LEN_STEP} (keeping max_num_seqs = "
-                       f"{seqs})")
-        n = _largest(lambda n: fits_with(max_num_seqs=n, kv_cache_tokens=n * seq_len),
-                     1, seqs - 1)
-        if n:
-            out.append(f"{key}.max_num_seqs = {n} (keeping max_seq_len = {seq_len})")
-        for dtype in ("q8_0", "q4_0"):
-            smaller = KV_DTYPES[dtype][1] / KV_DTYPES[dtype][0] < \
-                KV_DTYPES[config.kv_cache_dtype][1] / KV_DTYPES[config.kv_cache_dtype][0]
-            if smaller and dtype in cls.kv_cache_dtypes and fits_with(kv_cache_dtype=dtype):
-                out.append(f'{key}.kv_cache_dtype = "{dtype}" (a quantized KV cache)')
-                break
-        step = _largest(lambda n: fits_with(max_step_tokens=n * 64),
-                        max(1, -(-seqs // 64)), (config.max_step_tokens - 1) // 64)
-        if step:
-            out.append(f"{key}.max_step_tokens = {step * 64} (a smaller compute buffer; long "
-                       "prompts prefill in more steps)")
-        if config.replicas > 1:
-            r = _largest(lambda n: fits_with(replicas=n), 1, config.replicas - 1)
-            if r:
-                out.append(f"{key}.replicas = {r}")
-        if not out:  # no single setting is enough: the smallest compute buffer, then context
-            low_step = max(64, seqs)
-            steps = _largest(lambda n: fits_with(max_step_tokens=low_step,
-                                                 max_seq_len=n * _SEQ_LEN_STEP,
-                                                 kv_cache_tokens=n * _SEQ_LEN_STEP * seqs),
-                             1, (seq_len - 1) // _SEQ_LEN_STEP)
-            if steps:
-                out.append(f"{key}.max_step_tokens = {low_step} together with "
-                           f"{key}.max_seq_len = {steps * _SEQ_LEN_STEP}")
+    out = [line for i in range(len(configs)) for line in _suggest_for(i, configs, budget)]
     if not out:
         out.append(f"nothing within these models fits {fmt_bytes(budget.bytes)}: the weights "
                    "and fixed overheads alone are too large; use a smaller or more quantized "
                    "model, or raise [memory] budget")
     return out
+
+
+def _suggest_for(i: int, configs: list[tuple[ModelConfig, ModelShape, type[Backend]]],
+                 budget: budget_mod.Budget) -> list[str]:
+    """Settings of model i that make the plan fit, the others unchanged."""
+    config, shape, cls = configs[i]
+
+    def fits_with(**changes: Any) -> bool:
+        trial = list(configs)
+        trial[i] = (attrs.evolve(config, **changes), shape, cls)
+        return _plan_for(trial, budget).fits
+
+    def fits_len(n: int, step_tokens: int = config.max_step_tokens) -> bool:
+        length = n * _SEQ_LEN_STEP
+        return fits_with(max_seq_len=length, kv_cache_tokens=length * seqs,
+                         max_step_tokens=step_tokens)
+
+    out, key = [], f"models[{i}]"
+    seqs, seq_len = config.max_num_seqs or 1, config.max_seq_len or _SEQ_LEN_STEP
+    steps = _largest(fits_len, 1, (seq_len - 1) // _SEQ_LEN_STEP)
+    if steps:
+        out.append(f"{key}.max_seq_len = {steps * _SEQ_LEN_STEP} (keeping max_num_seqs = {seqs})")
+    n = _largest(lambda n: fits_with(max_num_seqs=n, kv_cache_tokens=n * seq_len), 1, seqs - 1)
+    if n:
+        out.append(f"{key}.max_num_seqs = {n} (keeping max_seq_len = {seq_len})")
+    for dtype in ("q8_0", "q4_0"):
+        if _bytes_per_element(dtype) < _bytes_per_element(config.kv_cache_dtype) and \
+                dtype in cls.kv_cache_dtypes and fits_with(kv_cache_dtype=dtype):
+            out.append(f'{key}.kv_cache_dtype = "{dtype}" (a quantized KV cache)')
+            break
+    step = _largest(lambda n: fits_with(max_step_tokens=n * 64), max(1, -(-seqs // 64)),
+                    (config.max_step_tokens - 1) // 64)
+    if step:
+        out.append(f"{key}.max_step_tokens = {step * 64} (a smaller compute buffer; long "
+                   "prompts prefill in more steps)")
+    if config.replicas > 1:
+        r = _largest(lambda n: fits_with(replicas=n), 1, config.replicas - 1)
+        if r:
+            out.append(f"{key}.replicas = {r}")
+    if not out:  # no single setting is enough: the smallest compute buffer, then context
+        low_step = max(64, seqs)
+        steps = _largest(lambda n: fits_len(n, low_step), 1, (seq_len - 1) // _SEQ_LEN_STEP)
+        if steps:
+            out.append(f"{key}.max_step_tokens = {low_step} together with "
+                       f"{key}.max_seq_len = {steps * _SEQ_LEN_STEP}")
+    return out
+
+
+def _bytes_per_element(dtype: str) -> float:
+    block, size = KV_DTYPES[dtype]
+    return size / block
 
 
 def format_plan(plan: Plan) -> str:

@@ -297,7 +297,7 @@ class PythonRouter:
 
     def _up_member(self, pool: _Pool, replica: int) -> _Replica | None:
         entry = self._replicas.get(replica)
-        if entry is None or entry.pool is not pool or entry.state is not ReplicaState.UP:
+        if entry is None or entry.state is not ReplicaState.UP:
             return None
         return entry
 

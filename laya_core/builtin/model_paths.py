@@ -7,6 +7,7 @@ The files are found through package metadata, never by importing the package tha
 from __future__ import annotations
 
 import importlib.metadata
+from pathlib import Path
 
 from laya_core.hookspecs import hookimpl
 
@@ -25,9 +26,10 @@ def embedded_file(name: str) -> str:
     try:
         dist = importlib.metadata.distribution(dist_name)
     except importlib.metadata.PackageNotFoundError:
-        raise LookupError(f"embedded model {name!r} needs the package {dist_name}; {install}")
-    path = dist.locate_file(rel)
-    if not path.is_file():  # type: ignore[union-attr]
+        raise LookupError(
+            f"embedded model {name!r} needs the package {dist_name}; {install}") from None
+    path = Path(str(dist.locate_file(rel)))
+    if not path.is_file():
         raise LookupError(f"{dist_name} is installed but {rel} is missing; {install}")
     return str(path)
 

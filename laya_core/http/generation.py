@@ -65,7 +65,7 @@ def _prompts(deployment: Deployment, request: ChatRequest | CompletionRequest,
     if isinstance(request, ChatRequest):
         text = deployment.chat_template(request.common.model).render(request.messages)
         return [(engine.backend.tokenize(text, add_special=True), None)]
-    out = []
+    out: list[tuple[list[int], str | None]] = []
     vocab = engine.info.vocab_size  # type: ignore[union-attr]
     for i, prompt in enumerate(request.prompts):
         param = "prompt" if len(request.prompts) == 1 else f"prompt[{i}]"

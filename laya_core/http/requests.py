@@ -212,8 +212,7 @@ def parse_completion(body: Any) -> CompletionRequest:
         raise invalid("logprobs", f"'logprobs' must be between 0 and {MAX_TOP_LOGPROBS}")
     common = _common(b, top)
     raw = b.body.get("prompt")
-    many = isinstance(raw, list) and bool(raw) and all(isinstance(p, (str, list)) for p in raw)
-    if many:
+    if isinstance(raw, list) and raw and all(isinstance(p, (str, list)) for p in raw):
         prompts = tuple(_prompt(p, f"prompt[{i}]") for i, p in enumerate(raw))
     else:
         prompts = (_prompt(raw, "prompt"),)
