@@ -37,6 +37,7 @@ class ModelConfig:
     kv_cache_tokens: int | None = None  # the KV pool; None: max_seq_len x max_num_seqs
     kv_cache_dtype: str = "f16"
     prefix_caching: bool = True  # reuse KV of prompts' known beginnings
+    routing: str = "prefix"  # the router policy among this model's replicas
     max_queue: int = 64  # requests waiting for room; more get 429
     queue_timeout_s: float = 30.0  # a request waiting longer gets 503
     options: dict[str, Any] = attrs.field(factory=dict)

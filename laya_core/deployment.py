@@ -45,6 +45,7 @@ class Deployment:
                 self.engines.append(Engine(config, backend_cls(config), scheduler_cls,
                                            cache_cls, replica_id=replica))
                 self.router.add_replica(config.name, replica)
+            self.router.set_policy(config.name, config.routing)
 
     def start(self) -> None:
         for engine in self.engines:

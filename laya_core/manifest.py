@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 
 from laya_core.backend import ModelConfig
+from laya_core.router import POLICIES
 
 if sys.version_info >= (3, 11):  # noqa: UP036 - tomli stays the fallback the brief names
     import tomllib
@@ -173,7 +174,7 @@ def _router(data: Any) -> RouterConfig:
 
 
 _MODEL_KEYS = ("name", "backend", "path", "max_seq_len", "max_num_seqs", "kv_cache_tokens",
-               "kv_cache_dtype", "prefix_caching", "replicas", "max_step_tokens", "max_queue", "queue_timeout_s",
+               "kv_cache_dtype", "prefix_caching", "routing", "replicas", "max_step_tokens", "max_queue", "queue_timeout_s",
                "scheduler", "cache_policy", "options")
 KV_CACHE_DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 
@@ -199,6 +200,9 @@ def _model(data: Any, index: int, base_dir: Path) -> ModelConfig:
                            check=lambda v: None if v in KV_CACHE_DTYPES else
                            f"must be one of {', '.join(KV_CACHE_DTYPES)}")
     prefix_caching = t.get("prefix_caching", bool, True)
+    routing = t.get("routing", str, "prefix",
+                    check=lambda v: None if v in POLICIES else
+                    f"must be one of {', '.join(POLICIES)}")
     replicas = t.int_in("replicas", 1, 64, 1)
     max_step_tokens = t.int_in("max_step_tokens", 1, 65536, 512)
     max_queue = t.int_in("max_queue", 0, 100_000, 64)
@@ -215,8 +219,8 @@ def _model(data: Any, index: int, base_dir: Path) -> ModelConfig:
     t.finish(_MODEL_KEYS)
     return ModelConfig(name, backend, path, max_seq_len, max_num_seqs, replicas,
                        max_step_tokens, scheduler, cache_policy, kv_cache_tokens,
-                       kv_cache_dtype, prefix_caching, max_queue, float(queue_timeout_s),
-                       options)
+                       kv_cache_dtype, prefix_caching, routing, max_queue,
+                       float(queue_timeout_s), options)
 
 
 def from_dict(data: Mapping[str, Any], source: str = "<dict>",

@@ -50,9 +50,10 @@ class CompletionHandlers:
         self.observer = observer
         self.max_body = deployment.manifest.server.max_body_bytes
 
-    async def _start(self, req: ChatRequest | CompletionRequest) -> list[gen.Running]:
+    async def _start(self, req: ChatRequest | CompletionRequest,
+                     session: str | None) -> list[gen.Running]:
         try:
-            return await gen.start(self.deployment, req)
+            return await gen.start(self.deployment, req, session)
         except TemplateError as e:
             raise invalid("messages", str(e), "chat_template_error") from None
 
@@ -61,7 +62,7 @@ class CompletionHandlers:
 
     async def chat(self, request: Request) -> Response:
         req = parse_chat(await json_body(request, self.max_body))
-        runs = await _guarded(request, self._start(req))
+        runs = await _guarded(request, self._start(req, request.headers.get("x-session-id")))
         base = {"id": gen.new_id("chatcmpl"), "object": "chat.completion.chunk",
                 "created": int(time.time()), "model": req.common.model}
         token_bytes = self._token_bytes(runs)
@@ -89,7 +90,7 @@ class CompletionHandlers:
 
     async def completions(self, request: Request) -> Response:
         req = parse_completion(await json_body(request, self.max_body))
-        runs = await _guarded(request, self._start(req))
+        runs = await _guarded(request, self._start(req, request.headers.get("x-session-id")))
         base = {"id": gen.new_id("cmpl"), "object": "text_completion",
                 "created": int(time.time()), "model": req.common.model}
         token_bytes = self._token_bytes(runs)

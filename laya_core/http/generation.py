@@ -13,7 +13,7 @@ from laya_core.deployment import Deployment, UnknownModelError
 from laya_core.engine import Engine, GenerationStream, QueueFullError, RequestTooLongError
 from laya_core.http.errors import APIError, invalid
 from laya_core.http.requests import ChatRequest, CompletionRequest, GenerationRequest
-from laya_core.router import NoRouteError
+from laya_core.router import NoRouteError, prefix_hashes
 from laya_core.types import FinishReason, Sample, SamplingParams, Timing, TokenEvent
 
 QUEUE_RETRY_AFTER_S = 2
@@ -82,10 +82,12 @@ def _prompts(deployment: Deployment, request: ChatRequest | CompletionRequest,
 
 
 def _submit(deployment: Deployment, req: GenerationRequest, prompt: list[int],
-            params: SamplingParams, text: str | None) -> Running:
+            params: SamplingParams, text: str | None, session: str | None) -> Running:
     t0 = time.perf_counter()
+    # Hashing the prompt's leading blocks is routing work, so it counts in the route time.
+    prefix = prefix_hashes(prompt) if deployment.models[req.model].routing == "prefix" else ()
     try:
-        replica = deployment.router.route(req.model, req.user)
+        replica = deployment.router.route(req.model, session, prefix)
     except NoRouteError as e:
         raise APIError(503, str(e), code="no_replica", retry_after=QUEUE_RETRY_AFTER_S) from None
     route_s = time.perf_counter() - t0
@@ -116,14 +118,17 @@ async def _admitted(run: Running) -> None:
                    code="not_run", retry_after=QUEUE_RETRY_AFTER_S)
 
 
-async def start(deployment: Deployment, request: ChatRequest | CompletionRequest) -> list[Running]:
+async def start(deployment: Deployment, request: ChatRequest | CompletionRequest,
+                session: str | None = None) -> list[Running]:
     """Validate against the model, route, submit every choice and wait until all run.
 
     Raises :class:`APIError`: 400 for what can never fit, 429 when a queue is full, 503 when
     the wait for room timed out. Waiting happens before any response byte, so a streamed
-    request can still get a proper status. On any error nothing is left running.
+    request can still get a proper status. On any error nothing is left running. ``session``
+    (the X-Session-ID header) defaults to the request's ``user``.
     """
     req = request.common
+    session = session or req.user
     try:
         deployment.model(req.model)
     except UnknownModelError:
@@ -149,7 +154,7 @@ async def start(deployment: Deployment, request: ChatRequest | CompletionRequest
             max_tokens = req.max_tokens if req.max_tokens is not None else limit - len(prompt)
             for choice in range(req.n):
                 runs.append(_submit(deployment, req, prompt, _params(req, max_tokens, choice),
-                                    text))
+                                    text, session))
         for run in runs:
             await _admitted(run)
     except BaseException:  # an error, or cancelled while queued: leave nothing behind
