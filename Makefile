@@ -30,5 +30,10 @@ serve: install
 test: install
 	$(BIN)/python -m pytest
 
+lint: install
+	$(BIN)/python -m pip install --quiet ruff mypy
+	$(BIN)/ruff check laya_core plugins tools tests --select E,F,W,B,UP --ignore E501
+	$(BIN)/mypy laya_core
+
 clean:
 	rm -rf $(VENV) plugins/router_nanobind/build
