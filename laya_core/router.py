@@ -28,9 +28,10 @@ import attrs
 
 POLICIES = ("least_outstanding", "round_robin", "session", "prefix")
 
-# Memory cap: C++ keeps a fixed-size entry per session (a 64-bit hash of the id, not the id),
-# about 90 bytes with its hash-map and list nodes, so 65,536 sessions cost about 6 MiB per model;
-# a prefix entry costs about the same. The Python reference keeps the id strings: about 3x that.
+# Memory cap, per model and table: C++ keeps a fixed-size entry per session (a 64-bit hash of
+# the id, not the id) or prefix block, about 48 bytes with its share of the index (measured: 46
+# and 50 bytes of RSS), so a full table of 65,536 costs about 3 MiB. The Python reference takes
+# about 130 bytes an entry, plus the session id strings it keeps alive.
 DEFAULT_SESSION_CAPACITY = 65_536
 DEFAULT_PREFIX_CAPACITY = 65_536
 # Outstanding requests a prefix holder may carry beyond the least loaded replica and still be
@@ -172,8 +173,11 @@ class PythonRouter:
     are LRU-bounded: inserting into a full one drops the least recently used entry; a session
     insert first drops the expired entries at the old end. Entries naming a replica that is
     removed, down, draining or moved to another model are ignored and overwritten, never
-    purged eagerly. The C++ router keys sessions by a 64-bit hash of the id, so two ids that
-    collide share a replica there (odds about n^2 / 2^65 for n live sessions).
+    purged eagerly. A pool, its policy and its aliases outlive its last replica; a name is a
+    model or an alias for good. The C++ router keys sessions by a 64-bit hash of the id, so two
+    ids that collide share a replica there (odds about n^2 / 2^65 for n live sessions).
+
+    One lock guards everything: this router is the readable reference, the C++ one the fast.
     """
 
     def __init__(
@@ -184,8 +188,8 @@ class PythonRouter:
         prefix_capacity: int = DEFAULT_PREFIX_CAPACITY,
         imbalance_threshold: int = DEFAULT_IMBALANCE_THRESHOLD,
     ) -> None:
-        if session_capacity < 1 or prefix_capacity < 1:
-            raise ValueError("session_capacity and prefix_capacity must be >= 1")
+        if not (1 <= session_capacity < 2**31 and 1 <= prefix_capacity < 2**31):
+            raise ValueError("session_capacity and prefix_capacity must be in [1, 2**31)")
         if session_ttl_s is not None and not session_ttl_s > 0:
             raise ValueError(f"session_ttl_s must be > 0 or None, got {session_ttl_s}")
         _check_threshold(imbalance_threshold)
@@ -297,7 +301,7 @@ class PythonRouter:
 
     def _up_member(self, pool: _Pool, replica: int) -> _Replica | None:
         entry = self._replicas.get(replica)
-        if entry is None or entry.state is not ReplicaState.UP:
+        if entry is None or entry.pool is not pool or entry.state is not ReplicaState.UP:
             return None
         return entry
 

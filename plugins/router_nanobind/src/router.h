@@ -1,18 +1,30 @@
 // The C++ router: the same decisions as laya_core.router.PythonRouter, kept free of Python so
-// the table logic can be read (and later optimised) on its own. router_ext.cpp binds it.
+// the table logic can be read on its own. router_ext.cpp binds it.
+//
+// Locks. route() takes a shared lock on one of 16 name shards (model name -> pool), drops it,
+// then the pool's mutex; release() and outstanding() take the mutex of one of 16 replica shards
+// (id -> replica) and touch an atomic count. So requests for different models, or releases of
+// different replicas, never meet on a lock. Table changes (add, remove, alias, policy, state)
+// are serialised by admin_mutex_, which the request path never takes. Lock order: admin, name
+// shard, pool, replica shard. Pools are never freed before the router and names never change
+// meaning once added, so a Pool* found under a shard lock stays valid after it is dropped.
 #pragma once
 
+#include <array>
 #include <cstdint>
+#include <memory>
 #include <mutex>
+#include <optional>
+#include <shared_mutex>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
-namespace laya {
+#include "pool.h"
 
-// Same values as laya_core.router.ReplicaState.
-enum class ReplicaState : int { Up = 0, Draining = 1, Down = 2 };
+namespace laya {
 
 // A replica id that is not in the table (Python: KeyError).
 struct UnknownReplica : std::out_of_range {
@@ -20,42 +32,59 @@ struct UnknownReplica : std::out_of_range {
     std::int64_t replica;
 };
 
-// The model is unknown or has no replica up (Python: laya_core.router.NoRouteError).
-struct NoRoute : std::runtime_error {
-    using std::runtime_error::runtime_error;
-};
-
 // Bad argument or misuse (Python: ValueError) is reported with std::invalid_argument.
 
 class Router {
 public:
-    void add_replica(const std::string& model, std::int64_t replica, std::int64_t weight);
+    Router(std::int64_t session_capacity, std::optional<double> session_ttl_s,
+           std::int64_t prefix_capacity, std::int64_t imbalance_threshold);
+
+    void add_replica(std::string_view model, std::int64_t replica, std::int64_t weight);
     void remove_replica(std::int64_t replica);
     void set_state(std::int64_t replica, int state);
-    std::int64_t route(const std::string& model);
+    void add_alias(std::string_view alias, std::string_view model);
+    void set_policy(std::string_view model, std::string_view policy,
+                    std::optional<std::int64_t> imbalance_threshold);
+    std::int64_t route(std::string_view model, std::optional<std::string_view> session,
+                       const std::vector<std::uint64_t>& prefix);
     void release(std::int64_t replica);
     std::int64_t outstanding(std::int64_t replica) const;
 
 private:
-    struct Replica {
-        std::string model;
-        ReplicaState state = ReplicaState::Up;
-        std::int64_t num_outstanding = 0;
-        std::int64_t weight = 1;  // kept for a weighted policy; not used by the decision yet
+    static constexpr std::size_t kNumShards = 16;
+
+    struct Name {
+        std::string text;
+        Pool* pool;  // an alias shares its model's pool
+        bool is_alias;
     };
-    struct Pool {
-        std::vector<std::int64_t> replicas;  // insertion order: the round-robin order
-        std::size_t cursor = 0;              // where the next tie-break scan starts
+    // alignas: shards written by different threads do not share a cache line.
+    struct alignas(64) NameShard {
+        mutable std::shared_mutex mutex;
+        // Keyed by the name's hash, so a look-up needs no std::string (C++17 has no
+        // heterogeneous look-up in unordered maps); equal hashes are told apart by `text`.
+        std::unordered_multimap<std::size_t, Name> names;
+    };
+    struct alignas(64) ReplicaShard {
+        mutable std::mutex mutex;
+        std::unordered_map<std::int64_t, Replica*> replicas;  // owned by their pool
+    };
+    struct Shards {
+        std::array<NameShard, kNumShards> names;
+        std::array<ReplicaShard, kNumShards> replicas;
     };
 
-    Replica& replica_at(std::int64_t replica);
-    const Replica& replica_at(std::int64_t replica) const;
+    const Name* find_name(std::string_view name) const;
+    Pool& create_pool(std::string_view model);
+    Replica& replica_at(const ReplicaShard& shard, std::int64_t replica) const;
+    ReplicaShard& replica_shard(std::int64_t replica) const;
 
-    // One lock over both tables: every operation is a few map look-ups, so a finer scheme
-    // would cost more than it saves until profiling says otherwise.
-    mutable std::mutex mutex_;
-    std::unordered_map<std::string, Pool> pools_;
-    std::unordered_map<std::int64_t, Replica> replicas_;
+    const TableLimits limits_;
+    const std::int64_t imbalance_threshold_;
+    // On the heap, where `new` honours alignas (nanobind places the Router itself).
+    const std::unique_ptr<Shards> shards_ = std::make_unique<Shards>();
+    std::mutex admin_mutex_;                     // serialises table changes
+    std::vector<std::unique_ptr<Pool>> pools_;  // admin_mutex_; only grows
 };
 
 }  // namespace laya

@@ -6,27 +6,16 @@
 
 from __future__ import annotations
 
-from laya_core.router import NoRouteError
 from laya_router import _router_ext
 
 __all__ = ["CppRouter"]
 
 
 class CppRouter(_router_ext.Router):
-    """Least outstanding requests; ties go round robin in the order replicas were added.
+    """The four policies of :class:`laya_core.router.PythonRouter`, with the same decisions.
 
-    Every method but ``route`` is the C++ one as it is (``set_state`` takes a
-    :class:`~laya_core.router.ReplicaState`, an ``IntEnum``, or its int value); ``route`` only
-    translates the extension's no-route error into the core's
-    :class:`~laya_core.router.NoRouteError`.
+    Every method is the C++ one as it is: ``route`` raises the core's
+    :class:`~laya_core.router.NoRouteError` itself, and ``set_state`` takes a
+    :class:`~laya_core.router.ReplicaState` (an ``IntEnum``) or its int value. Sessions are
+    keyed by a 64-bit hash of their id, so each costs at most 48 bytes whatever its length.
     """
-
-    def route(self, model: str, session: str | None = None) -> int:
-        """Choose a replica of ``model`` and count one more outstanding request on it.
-
-        ``session`` is accepted for the protocol; neither router uses it yet.
-        """
-        try:
-            return super().route(model)
-        except _router_ext.NoRouteError as error:
-            raise NoRouteError(str(error)) from None
