@@ -175,7 +175,10 @@ class Engine:
         stream = GenerationStream(self, seq)
 
         def sink(event: TokenEvent) -> None:
-            loop.call_soon_threadsafe(stream.queue.put_nowait, event)
+            try:
+                loop.call_soon_threadsafe(stream.queue.put_nowait, event)
+            except RuntimeError:  # the loop is closed: nobody is left to read this request
+                pass
 
         detok = IncrementalDetokenizer(self.backend.token_bytes, params.stop)
         self._inbox.put(("add", _Live(seq, sink, detok)))
