@@ -94,3 +94,20 @@ def test_a_failing_step_fails_its_sequences_and_the_engine_goes_on() -> None:
     assert ok == "cdc"
     assert e.kv_usage == 0.0
     e.stop()
+
+
+def test_a_request_whose_loop_closed_does_not_stop_the_engine() -> None:
+    e = engine(options={"step_delay_s": 0.002})
+
+    async def abandon() -> None:
+        e.submit(list(b"abcdef"), SamplingParams(max_tokens=40))  # never read
+
+    asyncio.run(abandon())  # the loop closes while the engine still generates for it
+
+    async def later() -> str:
+        stream = e.submit(list(b"xy"), SamplingParams(4))
+        return "".join([ev.text async for ev in stream])
+
+    assert asyncio.run(asyncio.wait_for(later(), 10)) == "xyxy"
+    assert e.state.value == "ready"
+    e.stop()
