@@ -80,6 +80,13 @@ class Backend(abc.ABC):
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("f16",)
     # Whether share_prefix and start_sequence(keep_tokens=) work, enabling prefix reuse.
     supports_prefix_sharing: ClassVar[bool] = False
+    # The keys ``[models.options]`` may hold for this backend; anything else is a manifest error.
+    option_names: ClassVar[frozenset[str]] = frozenset()
+
+    @classmethod
+    def check_model_path(cls, path: str) -> str | None:
+        """A problem with the model path for this backend (said to the user), or None."""
+        return None
 
     def __init__(self, config: ModelConfig) -> None:
         self.config = config

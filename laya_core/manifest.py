@@ -299,5 +299,20 @@ def resolve(manifest: Manifest, registry: Any, *, need_backends: bool = True) ->
         path = resolved or m.path
         if not Path(path).exists():
             raise ManifestError(f"models[{i}].path", f"no such file: {path}")
+        if backend and need_backends:
+            _check_backend_fit(backend.obj, m, path, i)
         models.append(attrs.evolve(m, path=path))
     return attrs.evolve(manifest, models=tuple(models))
+
+
+def _check_backend_fit(backend_cls: Any, m: ModelConfig, path: str, i: int) -> None:
+    """The model file and the options suit the chosen backend."""
+    problem = backend_cls.check_model_path(path)
+    if problem:
+        raise ManifestError(f"models[{i}].path", problem)
+    for name in m.options:
+        if name not in backend_cls.option_names:
+            known = ", ".join(sorted(backend_cls.option_names)) or "none"
+            raise ManifestError(f"models[{i}].options.{name}",
+                                f"the {m.backend} backend has no option {name!r}; its "
+                                f"options are: {known}")

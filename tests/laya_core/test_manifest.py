@@ -104,3 +104,19 @@ def test_resolve_finds_the_embedded_model_and_checks_plugins(tmp_path: Path) -> 
     with pytest.raises(mf.ManifestError) as info:
         mf.resolve(parse(router={"impl": "psychic"}), registry)
     assert info.value.key == "router.impl"
+
+
+def test_backend_options_and_model_files_are_checked(tmp_path: Path) -> None:
+    registry = load_registry()
+    with pytest.raises(mf.ManifestError) as info:
+        mf.resolve(mf.from_dict({"models": [model(options={"n_thread": 2})]}), registry)
+    assert info.value.key == "models[0].options.n_thread" and "n_threads" in info.value.message
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(mf.ManifestError) as info:
+        mf.resolve(mf.from_dict({"models": [model(path=str(tmp_path))]}), registry)
+    assert info.value.key == "models[0].path" and "single .gguf file" in info.value.message
+    (tmp_path / "fake.gguf").write_bytes(b"PK\x03\x04 not a model")
+    with pytest.raises(mf.ManifestError, match="not a GGUF file"):
+        mf.resolve(mf.from_dict({"models": [model(path=str(tmp_path / "fake.gguf"))]}), registry)
+    ok = mf.resolve(mf.from_dict({"models": [model(options={"n_threads": 1})]}), registry)
+    assert ok.models[0].options == {"n_threads": 1}

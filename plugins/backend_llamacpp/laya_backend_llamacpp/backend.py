@@ -93,6 +93,18 @@ class LlamaCppBackend(Backend):
     name = "llamacpp"
     kv_cache_dtypes = ("f16", "f32", "bf16", "q8_0", "q4_0")
     supports_prefix_sharing = True
+    option_names = frozenset({"n_threads", "use_mmap", "flash_attn", "kv_unified"})
+
+    @classmethod
+    def check_model_path(cls, path: str) -> str | None:
+        try:
+            with open(path, "rb") as f:
+                magic = f.read(4)
+        except IsADirectoryError:
+            return f"{path} is a folder; the llamacpp backend loads a single .gguf file"
+        except OSError as e:
+            return f"cannot read {path}: {e.strerror}"
+        return None if magic == b"GGUF" else f"{path} is not a GGUF file"
 
     @classmethod
     def memory_profile(cls, config: ModelConfig, shape: ModelShape) -> MemoryProfile:
