@@ -20,8 +20,12 @@ END = 256
 
 class ToyBackend(Backend):
     name = "toy"
+    option_names = frozenset({"load_delay_s", "fail_load", "step_delay_s"})
 
     def load_weights(self) -> ModelInfo:
+        time.sleep(self.config.options.get("load_delay_s", 0.0))
+        if self.config.options.get("fail_load"):
+            raise OSError("the weights are unreadable")
         self.fed: dict[int, list[int]] = {}
         self.prompt_len: dict[int, int] = {}
         self.steps: list[list[StepItem]] = []
