@@ -40,6 +40,10 @@ class RequestTooLongError(ValueError):
     """Prompt plus max_tokens exceeds what one sequence may hold."""
 
 
+class EngineUnavailableError(RuntimeError):
+    """The replica is loading, failed to load, or has stopped."""
+
+
 class QueueFullError(RuntimeError):
     """As many requests wait for room as the queue holds."""
 
@@ -119,7 +123,9 @@ class Engine:
         self.info: ModelInfo | None = None
         self.max_seq_len = 0
         self.scheduler: Scheduler | None = None
-        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        # What the engine thread is asked: a request to add, a sequence id to cancel, or None
+        # to stop.
+        self._inbox: queue.SimpleQueue[_Live | int | None] = queue.SimpleQueue()
         self._live: dict[int, _Live] = {}
         self._lock = threading.Lock()  # guards the two counters below
         self._num_queued = 0  # submitted, not yet admitted or finished
@@ -141,7 +147,7 @@ class Engine:
         return self.state is EngineState.READY
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._inbox.put(("stop", None))
+        self._inbox.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -159,7 +165,8 @@ class Engine:
                loop: asyncio.AbstractEventLoop | None = None) -> GenerationStream:
         """Queue a request; call from the event loop that will read the stream."""
         if self.state is not EngineState.READY:
-            raise RuntimeError(f"engine {self.config.name}/{self.replica_id} is {self.state.value}")
+            raise EngineUnavailableError(
+                f"{self.config.name} replica {self.replica_id} is {self.state.value}")
         if not prompt_token_ids:
             raise ValueError("the prompt must hold at least one token")
         self.check_request(len(prompt_token_ids), params.max_tokens)
@@ -181,11 +188,11 @@ class Engine:
                 pass
 
         detok = IncrementalDetokenizer(self.backend.token_bytes, params.stop)
-        self._inbox.put(("add", _Live(seq, sink, detok)))
+        self._inbox.put(_Live(seq, sink, detok))
         return stream
 
     def cancel(self, seq_id: int) -> None:
-        self._inbox.put(("cancel", seq_id))
+        self._inbox.put(seq_id)
 
     @property
     def num_running(self) -> int:
@@ -265,16 +272,16 @@ class Engine:
         """Apply queued adds and cancels; returns False once asked to stop."""
         while True:
             try:
-                kind, payload = self._inbox.get(timeout=_IDLE_POLL_S) if block \
+                payload = self._inbox.get(timeout=_IDLE_POLL_S) if block \
                     else self._inbox.get_nowait()
             except queue.Empty:
                 return True
             block = False
-            if kind == "stop":
+            if payload is None:
                 return False
             if isinstance(payload, _Live):
                 self._add(payload)
-            elif isinstance(payload, int) and (live := self._live.get(payload)) is not None:
+            elif (live := self._live.get(payload)) is not None:
                 self._finish(live, FinishReason.CANCELLED, "")
 
     def _add(self, live: _Live) -> None:

@@ -23,7 +23,6 @@ else:  # pragma: no cover - Python 3.10 is not supported, kept for tools that re
     import tomli as tomllib
 
 EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
-DEFAULT_MAX_SEQ_LEN = 4096
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?\s*$")
 _UNITS = {

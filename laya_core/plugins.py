@@ -112,10 +112,6 @@ class Registry:
             "cache_policy": self.cache_policies,
         }[family]
 
-    def all(self) -> Iterable[Registered]:
-        for family in FAMILIES:
-            yield from self.family(family).values()
-
     def resolve_model_path(self, path: str) -> str | None:
         result: str | None = self.plugin_manager.hook.resolve_model_path(path=path)
         return result

@@ -14,7 +14,7 @@ import time
 import attrs
 
 from laya_core.cache import CachePolicy
-from laya_core.prefix_cache import PrefixCache, best_match
+from laya_core.prefix_cache import MIN_REUSE_TOKENS, PrefixCache, best_match
 from laya_core.sequence import Sequence, SequenceStatus
 
 
@@ -89,7 +89,7 @@ class Scheduler(abc.ABC):
             assert seq.slot is not None
             kept = retain and self.config.prefix_caching and seq.num_computed > 0
             if kept:
-                tokens = (seq.prompt_token_ids + seq.output_token_ids)[: seq.num_computed]
+                tokens = seq.computed_token_ids
                 self.cache.allocate(_retained_key(seq.slot), len(tokens))  # fits: just freed
                 self._retained_blocks[seq.slot] = self.cache.blocks_for(len(tokens))
                 self.prefix.retain(seq.slot, tokens)
@@ -135,7 +135,9 @@ class Scheduler(abc.ABC):
         del self._retained_blocks[slot]
 
     def _best_prefix(self, seq: Sequence) -> tuple[int, int] | None:
-        live = ((s.slot, (s.prompt_token_ids + s.output_token_ids)[: s.num_computed])
+        if seq.num_prompt_tokens <= MIN_REUSE_TOKENS:
+            return None  # too short to reuse anything: skip building the candidates
+        live = ((s.slot, s.computed_token_ids)
                 for s in self.running if s.num_computed and s.slot is not None)
         return best_match(seq.prompt_token_ids, itertools.chain(self.prefix.entries(), live))
 

@@ -63,6 +63,11 @@ class Sequence:
         """The most KV cache this sequence can ever hold, in tokens."""
         return self.num_prompt_tokens + self.params.max_tokens
 
+    @property
+    def computed_token_ids(self) -> list[int]:
+        """The tokens whose KV is in the cache, in order."""
+        return (self.prompt_token_ids + self.output_token_ids)[: self.num_computed]
+
     def tokens_to_compute(self, limit: int) -> list[int]:
         """The next tokens to feed the model, at most ``limit`` of them."""
         start = self.num_computed

@@ -77,16 +77,6 @@ class TokenEvent:
 
 
 @attrs.frozen
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-
-@attrs.frozen
 class Timing:
     """Where one request's time went, in seconds."""
 

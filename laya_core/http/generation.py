@@ -10,7 +10,13 @@ from collections.abc import AsyncIterator, Sequence
 import attrs
 
 from laya_core.deployment import Deployment, UnknownModelError
-from laya_core.engine import Engine, GenerationStream, QueueFullError, RequestTooLongError
+from laya_core.engine import (
+    Engine,
+    EngineUnavailableError,
+    GenerationStream,
+    QueueFullError,
+    RequestTooLongError,
+)
 from laya_core.http.errors import APIError, invalid
 from laya_core.http.requests import ChatRequest, CompletionRequest, GenerationRequest
 from laya_core.router import NoRouteError, prefix_hashes
@@ -101,6 +107,10 @@ def _submit(deployment: Deployment, req: GenerationRequest, prompt: list[int],
     except QueueFullError as e:
         deployment.router.release(replica)
         raise APIError(429, str(e), code="queue_full", retry_after=QUEUE_RETRY_AFTER_S) from None
+    except EngineUnavailableError as e:  # stopped or failed since routing: e.g. shutting down
+        deployment.router.release(replica)
+        raise APIError(503, f"{e}; retry later", code="not_ready",
+                       retry_after=QUEUE_RETRY_AFTER_S) from None
     except Exception:
         deployment.router.release(replica)
         raise
