@@ -1,7 +1,8 @@
 """The engine of one model replica: a thread looping schedule -> backend.step -> publish.
 
 Model compute never runs on the asyncio loop. Requests enter through a thread-safe inbox;
-tokens leave through ``loop.call_soon_threadsafe`` into each request's asyncio queue.
+events leave in one ``loop.call_soon_threadsafe`` per step and event loop, which puts each
+into its request's asyncio queue: the loop wakes once per step, not once per token.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
-
 import attrs
 
 from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem
@@ -56,7 +55,8 @@ class _Live:
     """Engine-side state of a sequence besides its tokens: where its events go, its text."""
 
     seq: Sequence
-    sink: Callable[[TokenEvent], None]
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[TokenEvent]
     detokenizer: IncrementalDetokenizer
     started: bool = False  # admitted and known to the backend
 
@@ -127,6 +127,9 @@ class Engine:
         # to stop.
         self._inbox: queue.SimpleQueue[_Live | int | None] = queue.SimpleQueue()
         self._live: dict[int, _Live] = {}
+        # Events of this step, by the event loop that reads them; see _flush.
+        self._outbox: dict[asyncio.AbstractEventLoop,
+                           list[tuple[asyncio.Queue[TokenEvent], TokenEvent]]] = {}
         self._lock = threading.Lock()  # guards the two counters below
         self._num_queued = 0  # submitted, not yet admitted or finished
         self.rejections: dict[str, int] = {"queue_full": 0, "queue_timeout": 0}
@@ -180,15 +183,8 @@ class Engine:
         loop = loop or asyncio.get_running_loop()
         seq = Sequence(next(self._ids), list(prompt_token_ids), params)
         stream = GenerationStream(self, seq)
-
-        def sink(event: TokenEvent) -> None:
-            try:
-                loop.call_soon_threadsafe(stream.queue.put_nowait, event)
-            except RuntimeError:  # the loop is closed: nobody is left to read this request
-                pass
-
         detok = IncrementalDetokenizer(self.backend.token_bytes, params.stop)
-        self._inbox.put(_Live(seq, sink, detok))
+        self._inbox.put(_Live(seq, loop, stream.queue, detok))
         return stream
 
     def cancel(self, seq_id: int) -> None:
@@ -262,11 +258,25 @@ class Engine:
         try:
             while self._drain_inbox(block=not self.scheduler.has_work):  # type: ignore[union-attr]
                 self._step()
+                self._flush()
         finally:
             self.state = EngineState.STOPPED
             for live in list(self._live.values()):
                 self._finish(live, FinishReason.CANCELLED, "")
+            self._flush()
             self.backend.close()
+
+    def _emit(self, live: _Live, event: TokenEvent) -> None:
+        self._outbox.setdefault(live.loop, []).append((live.queue, event))
+
+    def _flush(self) -> None:
+        """Hand the events gathered so far to their event loops, one wake-up per loop."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, events in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, events)
+            except RuntimeError:  # the loop is closed: nobody is left to read these requests
+                pass
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply queued adds and cancels; returns False once asked to stop."""
@@ -290,7 +300,7 @@ class Engine:
             self.scheduler.add(live.seq)
         except ValueError as e:
             self._dequeued()
-            live.sink(TokenEvent("", (), FinishReason.ERROR, str(e)))
+            self._emit(live, TokenEvent("", (), FinishReason.ERROR, str(e)))
             return
         self._live[live.seq.seq_id] = live
 
@@ -335,7 +345,9 @@ class Engine:
                 self._start(seq)
                 live.started = True
                 self._dequeued()
-                live.sink(ADMITTED)
+                self._emit(live, ADMITTED)
+        # Admissions go out before the step: the HTTP layer answers once a request runs.
+        self._flush()
         items = [StepItem(c.seq.slot, c.tokens, c.start_pos, c.samples)  # type: ignore[arg-type]
                  for c in chunks]
         try:
@@ -371,7 +383,7 @@ class Engine:
                     or seq.num_tokens >= self.max_seq_len:
                 text, finish = text + live.detokenizer.flush(), FinishReason.LENGTH
         if finish is None:
-            live.sink(TokenEvent(text, (token,), samples=samples))
+            self._emit(live, TokenEvent(text, (token,), samples=samples))
         else:
             self._finish(live, finish, text, token_ids=(token,), samples=samples)
 
@@ -389,7 +401,12 @@ class Engine:
         seq.finish_reason = reason
         seq.finished_time = time.perf_counter()
         del self._live[seq.seq_id]
-        live.sink(TokenEvent(text, token_ids, reason, error, _timing(seq), samples=samples))
+        self._emit(live, TokenEvent(text, token_ids, reason, error, _timing(seq), samples=samples))
+
+
+def _deliver(events: list[tuple[asyncio.Queue[TokenEvent], TokenEvent]]) -> None:
+    for queue_, event in events:
+        queue_.put_nowait(event)
 
 
 def _timing(seq: Sequence) -> Timing:
