@@ -42,6 +42,17 @@ class PrefixCache:
     def take(self, slot: int) -> list[int]:
         return self._entries.pop(slot)
 
+    def num_tokens(self, slot: int) -> int:
+        return len(self._entries[slot])
+
+    def touch(self, slot: int) -> None:
+        """Mark a retained slot as just used, so it is evicted last."""
+        self._entries.move_to_end(slot)
+
+    def slots(self) -> list[int]:
+        """Retained slots, least recently used first."""
+        return list(self._entries)
+
     def oldest(self) -> int | None:
         return next(iter(self._entries), None)
 

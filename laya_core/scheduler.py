@@ -14,7 +14,12 @@ import time
 import attrs
 
 from laya_core.cache import CachePolicy
-from laya_core.prefix_cache import MIN_REUSE_TOKENS, PrefixCache, best_match
+from laya_core.prefix_cache import (
+    MIN_REUSE_TOKENS,
+    PrefixCache,
+    best_match,
+    common_prefix_len,
+)
 from laya_core.sequence import Sequence, SequenceStatus
 
 
@@ -89,16 +94,32 @@ class Scheduler(abc.ABC):
             assert seq.slot is not None
             kept = retain and self.config.prefix_caching and seq.num_computed > 0
             if kept:
-                tokens = seq.computed_token_ids
-                self.cache.allocate(_retained_key(seq.slot), len(tokens))  # fits: just freed
-                self._retained_blocks[seq.slot] = self.cache.blocks_for(len(tokens))
-                self.prefix.retain(seq.slot, tokens)
-            else:
+                kept = self._retain(seq.slot, seq.computed_token_ids, seq.num_prompt_tokens)
+            if not kept:
                 self._free_slots.append(seq.slot)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         return kept
+
+    def _retain(self, slot: int, tokens: list[int], num_prompt_tokens: int) -> bool:
+        """Keep a finished sequence's KV unless another retained slot already holds it.
+
+        A retained slot that holds a prefix of ``tokens``, or the same prompt with another
+        answer, is dropped instead: a question asked again would otherwise fill every slot
+        with copies of itself.
+        """
+        for other, held in list(self.prefix.entries()):
+            shared = common_prefix_len(tokens, held)
+            if shared == len(tokens):  # already cached, in full
+                self.prefix.touch(other)
+                return False
+            if shared == len(held) or shared >= num_prompt_tokens:
+                self._evict(other)
+        self.cache.allocate(_retained_key(slot), len(tokens))  # fits: just freed
+        self._retained_blocks[slot] = self.cache.blocks_for(len(tokens))
+        self.prefix.retain(slot, tokens)
+        return True
 
     def can_admit(self, seq: Sequence) -> bool:
         """Whether the sequence fits now, counting retained KV as room (it can be evicted)."""
@@ -109,18 +130,19 @@ class Scheduler(abc.ABC):
     def admit(self, seq: Sequence) -> None:
         """Give the sequence a slot and its worst case of cache, reusing a known prefix."""
         match = self._best_prefix(seq) if self.config.prefix_caching else None
-        if match is not None and match[0] in self.prefix:
-            seq.slot = match[0]  # take over the retained slot: its KV is the prefix
-            self._drop_retained(seq.slot)
-        while not (seq.slot is not None or self._free_slots) or \
-                not self.cache.can_allocate(seq.max_total_tokens):
+        while not self.cache.can_allocate(seq.max_total_tokens):
             victim = self.prefix.oldest()
             assert victim is not None, "admit() without can_admit()"
-            self._drop_retained(victim)
-            self._free_slots.append(victim)
-            self._evicted.append(victim)
-        if seq.slot is None:
-            seq.slot = self._free_slots.pop()
+            if match is not None and victim == match[0]:
+                match = None  # the prefix's source itself has to make room
+            self._evict(victim)
+        source = match[0] if match is not None and match[0] in self.prefix else None
+        seq.slot = self._pick_slot(source, lossless=source is not None and match is not None
+                                   and match[1] >= self.prefix.num_tokens(source))
+        if seq.slot == source:  # taken over: its KV is the prefix
+            self._drop_retained(source)
+        elif source is not None:
+            self.prefix.touch(source)  # copied from: it stays cached, as just used
         if match is not None:
             seq.reuse = match
             seq.num_computed = match[1]
@@ -128,6 +150,53 @@ class Scheduler(abc.ABC):
         seq.status = SequenceStatus.RUNNING
         seq.admitted_time = time.perf_counter()
         self.running.append(seq)
+
+    def _pick_slot(self, source: int | None, lossless: bool) -> int:
+        """A free or retained slot for a new sequence, next to running ones where possible.
+
+        Backends that batch neighbouring slots together (llama.cpp with a KV stream per slot
+        runs each run of consecutive slots as its own forward pass) decode fastest when the
+        running slots form one block. Retained slots that a waiting sequence would reuse are
+        taken last; apart from them the choice goes to the slot with the most running
+        neighbours first. Then: ``source`` (the retained slot holding this prompt's prefix)
+        when taking it over loses nothing, a free slot, ``source`` when its KV holds more than
+        the prefix (the rest is lost), and last any other retained slot, least recently used
+        first (it is evicted); the lowest number breaks ties.
+        """
+        running = {s.slot for s in self.running}
+        age = {slot: i for i, slot in enumerate(self.prefix.slots())}
+        wanted = self._wanted_by_waiting() if age and self.waiting else set()
+
+        def preference(slot: int) -> tuple[bool, int, int, int, int]:
+            neighbours = (slot - 1 in running) + (slot + 1 in running)
+            if slot == source:
+                rank = 3 if lossless else 1
+            else:
+                rank = 0 if slot in age else 2
+            return slot not in wanted, neighbours, rank, -age.get(slot, 0), -slot
+
+        slot = max([*self._free_slots, *age], key=preference)
+        if slot != source:
+            if slot in age:
+                self._evict(slot)
+            self._free_slots.remove(slot)
+        return slot
+
+    def _wanted_by_waiting(self) -> set[int]:
+        """Retained slots whose KV a waiting sequence would reuse: evicted last."""
+        wanted = set()
+        for seq in self.waiting:
+            if seq.num_prompt_tokens > MIN_REUSE_TOKENS:
+                match = best_match(seq.prompt_token_ids, self.prefix.entries())
+                if match is not None:
+                    wanted.add(match[0])
+        return wanted
+
+    def _evict(self, slot: int) -> None:
+        """Drop a retained slot's KV (the engine tells the backend) and free the slot."""
+        self._drop_retained(slot)
+        self._free_slots.append(slot)
+        self._evicted.append(slot)
 
     def _drop_retained(self, slot: int) -> None:
         self.prefix.take(slot)

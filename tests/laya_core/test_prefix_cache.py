@@ -84,3 +84,66 @@ def test_engine_reuses_a_conversation_prefix_with_the_toy_backend() -> None:
     assert first == history[:8].decode()
     assert second == follow_up.decode()
     assert engine.prefix_hits == 1 and engine.prefix_tokens_reused == len(history)
+
+
+SYSTEM = list(range(100, 124))  # a shared system prompt: 24 tokens
+
+
+def finish_after(s: FcfsScheduler, sq: Sequence, answer: list[int]) -> bool:
+    """Prefill ``sq``, give it ``answer`` as output, finish it retained; whether it was kept."""
+    s.add(sq)
+    run_to_end(s, sq)
+    sq.output_token_ids.extend(answer)
+    sq.num_computed += len(answer) - 1  # the last sampled token is never fed back
+    return s.finish(sq, retain=True)
+
+
+def test_a_shorter_match_copies_and_keeps_the_cached_conversation() -> None:
+    s = FcfsScheduler(SchedulerConfig(4, 256, prefix_caching=True), BlockCachePolicy(1024, 16))
+    first = seq(1, [*SYSTEM, *range(1, 30)])
+    assert finish_after(s, first, [7, 8, 9])
+    other = seq(2, [*SYSTEM, *range(50, 60)])  # shares only the system prompt
+    s.add(other)
+    s.schedule()
+    assert other.reuse == (first.slot, len(SYSTEM)) and other.slot != first.slot
+    assert first.slot in s.prefix  # still cached for the question it answered
+    again = seq(3, [*SYSTEM, *range(1, 30)])
+    s.add(again)
+    s.schedule()
+    assert again.reuse == (first.slot, len(again.prompt_token_ids) - 1)
+
+
+def test_a_repeated_answer_is_cached_once_and_a_new_answer_replaces_the_old() -> None:
+    s = FcfsScheduler(SchedulerConfig(4, 256, prefix_caching=True), BlockCachePolicy(1024, 16))
+    prompt = [*SYSTEM, *range(1, 30)]
+    first = seq(1, prompt)
+    assert finish_after(s, first, [7, 8, 9])
+    same = seq(2, list(prompt))
+    assert not finish_after(s, same, [7, 8, 9])  # the same tokens: not kept twice
+    assert s.prefix.slots() == [first.slot]
+    different = seq(3, list(prompt))
+    assert finish_after(s, different, [6, 5])  # the same prompt, another answer
+    assert s.prefix.slots() == [different.slot] and first.slot in s.take_evicted()
+
+
+def test_new_sequences_join_the_block_of_running_slots() -> None:
+    s = FcfsScheduler(SchedulerConfig(4, 512, prefix_caching=True), BlockCachePolicy(2048, 16))
+    a, b, c = (seq(i, list(range(1000 * i, 1000 * i + 20))) for i in (1, 2, 3))
+    for x in (a, b, c):
+        s.add(x)
+    run_to_end(s, a)
+    assert [a.slot, b.slot, c.slot] == [0, 1, 2]
+    s.finish(b, retain=True)  # a hole at 1, holding b's KV
+    d = seq(4, list(range(5000, 5020)))
+    s.add(d)
+    run_to_end(s, d)
+    # Slot 1 joins 0 and 2 into one block: its KV goes, as nothing waits for it.
+    assert d.slot == 1 and s.take_evicted() == [1]
+    s.finish(d, retain=True)
+    e = seq(5, list(range(6000, 6020)))
+    later = seq(6, [*range(5000, 5020), 1, 2])  # waits to reuse d's KV in slot 1
+    for x in (e, later):
+        s.add(x)
+    s.schedule()
+    assert e.slot == 3  # the free slot, though slot 1 has more running neighbours
+    assert later.slot == 1 and later.reuse == (1, 20) and s.take_evicted() == []
