@@ -226,9 +226,14 @@ class LlamaCppBackend(Backend):
 
     def step(self, items: Sequence[StepItem]) -> list[Sample | None]:
         ll, batch = self._ll, self._batch
-        rows: list[int | None] = []
+        # With a KV stream per slot, llama.cpp splits a batch into runs of consecutive
+        # sequence ids, one forward pass each: feed the slots in order so that each run of
+        # neighbouring slots is one pass.
+        order = sorted(range(len(items)), key=lambda i: items[i].slot)
+        rows: list[int | None] = [None] * len(items)
         n = 0
-        for item in items:
+        for i in order:
+            item = items[i]
             for j, token in enumerate(item.tokens):
                 batch.token[n] = token
                 batch.pos[n] = item.start_pos + j
@@ -238,7 +243,7 @@ class LlamaCppBackend(Backend):
                 n += 1
             if item.sample:
                 batch.logits[n - 1] = True
-            rows.append(n - 1 if item.sample else None)
+                rows[i] = n - 1
         batch.n_tokens = n
         rc = ll.llama_decode(self._ctx, batch)
         if rc != 0:
