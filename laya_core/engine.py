@@ -339,6 +339,9 @@ class Engine:
             return
         for slot in self.scheduler.take_evicted():
             self.backend.free_sequence(slot)
+        for source, target, num_tokens in self.scheduler.take_moved():
+            self.backend.share_prefix(source, target, num_tokens)
+            self.backend.free_sequence(source)
         for seq in self.scheduler.running:
             live = self._live[seq.seq_id]
             if not live.started:

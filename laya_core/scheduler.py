@@ -58,6 +58,7 @@ class Scheduler(abc.ABC):
         self.prefix = PrefixCache()
         self._retained_blocks: dict[int, int] = {}  # slot -> blocks its retained KV holds
         self._evicted: list[int] = []  # retained slots whose KV the backend must drop
+        self._moved: list[tuple[int, int, int]] = []  # retained KV to move: (from, to, tokens)
 
     @property
     def num_retained_blocks(self) -> int:
@@ -68,6 +69,15 @@ class Scheduler(abc.ABC):
         """Slots evicted since the last call; the engine drops their KV before the next step."""
         evicted, self._evicted = self._evicted, []
         return evicted
+
+    def take_moved(self) -> list[tuple[int, int, int]]:
+        """Retained KV moved since the last call, as (from slot, to slot, tokens), in order.
+
+        The engine moves it after dropping the evicted slots and before starting new
+        sequences (which may take a slot that was moved from).
+        """
+        moved, self._moved = self._moved, []
+        return moved
 
     @property
     def has_work(self) -> bool:
@@ -156,12 +166,14 @@ class Scheduler(abc.ABC):
 
         Backends that batch neighbouring slots together (llama.cpp with a KV stream per slot
         runs each run of consecutive slots as its own forward pass) decode fastest when the
-        running slots form one block. Retained slots that a waiting sequence would reuse are
-        taken last; apart from them the choice goes to the slot with the most running
+        running slots form one block. So the choice goes to the slot with the most running
         neighbours first. Then: ``source`` (the retained slot holding this prompt's prefix)
         when taking it over loses nothing, a free slot, ``source`` when its KV holds more than
         the prefix (the rest is lost), and last any other retained slot, least recently used
-        first (it is evicted); the lowest number breaks ties.
+        first; the lowest number breaks ties. A retained slot that is taken loses its KV,
+        unless a waiting sequence would reuse it: then the KV moves to a slot away from the
+        block (a free one, else the least recently used one nobody waits for), or, with no
+        such slot, the slot is taken only when nothing else is left.
         """
         running = {s.slot for s in self.running}
         age = {slot: i for i, slot in enumerate(self.prefix.slots())}
@@ -173,19 +185,57 @@ class Scheduler(abc.ABC):
                 rank = 3 if lossless else 1
             else:
                 rank = 0 if slot in age else 2
-            return slot not in wanted, neighbours, rank, -age.get(slot, 0), -slot
+            return slot not in kept, neighbours, rank, -age.get(slot, 0), -slot
 
+        kept: set[int] = set()
         slot = max([*self._free_slots, *age], key=preference)
+        if slot in wanted and slot != source:
+            to = self._move_target(exclude={slot, source}, wanted=wanted, running=running)
+            if to is None:  # nowhere to move it: keep it, if anything else is left
+                kept = wanted - {source}
+                slot = max([*self._free_slots, *age], key=preference)
+            else:
+                self._move(slot, to)
+                return slot
         if slot != source:
             if slot in age:
                 self._evict(slot)
             self._free_slots.remove(slot)
         return slot
 
+    def _move_target(self, exclude: set[int | None], wanted: set[int],
+                     running: set[int | None]) -> int | None:
+        """Where to move retained KV out of the way: a free slot with the fewest running
+        neighbours (the highest number on a tie), else the least recently used retained slot
+        that no waiting sequence wants (evicted)."""
+        free = [s for s in self._free_slots if s not in exclude]
+        if free:
+            return min(free, key=lambda s: ((s - 1 in running) + (s + 1 in running), -s))
+        for slot in self.prefix.slots():
+            if slot not in exclude and slot not in wanted:
+                self._evict(slot)
+                return slot
+        return None
+
+    def _move(self, slot: int, to: int) -> None:
+        """Move a retained slot's KV to the free slot ``to``; ``slot`` is then in use."""
+        tokens = self.prefix.take(slot)
+        blocks = self._retained_blocks.pop(slot)
+        self.cache.free(_retained_key(slot))
+        self._free_slots.remove(to)
+        self.cache.allocate(_retained_key(to), len(tokens))  # fits: just freed
+        self._retained_blocks[to] = blocks
+        self.prefix.retain(to, tokens)
+        self._moved.append((slot, to, len(tokens)))
+
     def _wanted_by_waiting(self) -> set[int]:
-        """Retained slots whose KV a waiting sequence would reuse: evicted last."""
+        """Retained slots whose KV a waiting sequence would reuse: evicted last.
+
+        Only the sequences next in line count (as many as can run at once): a long queue
+        must not make every admission slow.
+        """
         wanted = set()
-        for seq in self.waiting:
+        for seq in itertools.islice(self.waiting, self.config.max_num_seqs):
             if seq.num_prompt_tokens > MIN_REUSE_TOKENS:
                 match = best_match(seq.prompt_token_ids, self.prefix.entries())
                 if match is not None:

@@ -117,3 +117,42 @@ def test_a_running_sequence_lends_its_prefix(kv_unified: bool) -> None:
     d2.stop()
     assert hits >= 1
     assert lent == expected
+
+
+@pytest.mark.parametrize("kv_unified", [False, True])
+def test_moved_kv_continues_exactly_as_before(kv_unified: bool) -> None:
+    """The scheduler moves retained KV out of a slot (share, then free); a sequence that
+    takes it over at its new slot continues as the original would have."""
+    from laya_core.backend import ModelConfig, StepItem
+    from laya_core.builtin.model_paths import embedded_file
+    from laya_backend_llamacpp.backend import LlamaCppBackend
+
+    config = ModelConfig(name="m", backend="llamacpp", path=embedded_file("smollm2-135m-instruct"),
+                         max_seq_len=512, max_num_seqs=4, options={"kv_unified": kv_unified})
+    b = LlamaCppBackend(config)
+    b.load_weights()
+    b.allocate_cache(n_ctx=2048, max_num_seqs=4)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    prompt = b.tokenize(SYSTEM[:300] + " Question: what is a prime number?", add_special=True)
+    other = b.tokenize("A different text that overwrites slot one.", add_special=True)
+
+    def generate(slot: int, fed: list[int], start: int, n: int = 8) -> list[int]:
+        out: list[int] = []
+        for _ in range(n):
+            sample = b.step([StepItem(slot, fed, start, True)])[0]
+            assert sample is not None
+            out.append(sample.token_id)
+            start, fed = start + len(fed), [sample.token_id]
+        return out
+
+    try:
+        b.start_sequence(1, greedy)
+        expected = generate(1, prompt, 0)
+        b.share_prefix(1, 3, len(prompt) - 1)  # slot 1 holds the prompt and the answer
+        b.free_sequence(1)
+        b.start_sequence(1, greedy)  # slot 1 now holds something else
+        generate(1, other, 0, n=2)
+        b.start_sequence(3, greedy, keep_tokens=len(prompt) - 1)
+        assert generate(3, prompt[-1:], len(prompt) - 1) == expected
+    finally:
+        b.close()

@@ -145,5 +145,44 @@ def test_new_sequences_join_the_block_of_running_slots() -> None:
     for x in (e, later):
         s.add(x)
     s.schedule()
-    assert e.slot == 3  # the free slot, though slot 1 has more running neighbours
-    assert later.slot == 1 and later.reuse == (1, 20) and s.take_evicted() == []
+    # e takes slot 1, between two running ones; the KV that `later` waits for moves to 3,
+    # where `later` takes it over: four running slots in one block, nothing recomputed.
+    assert e.slot == 1 and s.take_moved() == [(1, 3, 20)]
+    assert later.slot == 3 and later.reuse == (3, 20) and s.take_evicted() == []
+
+
+def three_slots_one_running() -> tuple[FcfsScheduler, list[Sequence]]:
+    """Slot 0 runs; slots 1 and 2 hold finished sequences' KV (prompts 2000.., 3000..)."""
+    s = FcfsScheduler(SchedulerConfig(3, 512, prefix_caching=True), BlockCachePolicy(2048, 16))
+    a, b, c = (seq(i, list(range(1000 * i, 1000 * i + 20))) for i in (1, 2, 3))
+    for x in (a, b, c):
+        s.add(x)
+    run_to_end(s, a)
+    s.finish(b, retain=True)
+    s.finish(c, retain=True)
+    return s, [a, b, c]
+
+
+def test_wanted_kv_moves_over_kv_nobody_waits_for() -> None:
+    s, _ = three_slots_one_running()
+    e = seq(5, list(range(6000, 6020)))
+    later = seq(6, [*range(2000, 2020), 1, 2])  # wants slot 1
+    for x in (e, later):
+        s.add(x)
+    s.schedule()
+    assert e.slot == 1 and s.take_evicted() == [2] and s.take_moved() == [(1, 2, 20)]
+    assert later.slot == 2 and later.reuse == (2, 20)
+
+
+def test_wanted_kv_with_nowhere_to_go_is_taken_only_as_the_last_choice() -> None:
+    s, _ = three_slots_one_running()
+    e = seq(5, list(range(6000, 6020)))
+    wants_1 = seq(6, [*range(2000, 2020), 1, 2])
+    wants_2 = seq(7, [*range(3000, 3020), 1, 2])
+    for x in (e, wants_1, wants_2):
+        s.add(x)
+    s.schedule()
+    # Both retained slots are wanted and no slot is free, so nothing can move: e takes
+    # slot 1 next to the running one, and the next in line then needs slot 2.
+    assert s.take_moved() == [] and s.take_evicted() == [1, 2]
+    assert (e.slot, wants_1.slot, wants_1.reuse) == (1, 2, None)
