@@ -53,9 +53,6 @@ class PrefixCache:
         """Retained slots, least recently used first."""
         return list(self._entries)
 
-    def oldest(self) -> int | None:
-        return next(iter(self._entries), None)
-
     def entries(self) -> Iterable[tuple[int, list[int]]]:
         return self._entries.items()
 

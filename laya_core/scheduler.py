@@ -59,6 +59,10 @@ class Scheduler(abc.ABC):
         self._retained_blocks: dict[int, int] = {}  # slot -> blocks its retained KV holds
         self._evicted: list[int] = []  # retained slots whose KV the backend must drop
         self._moved: list[tuple[int, int, int]] = []  # retained KV to move: (from, to, tokens)
+        # Retained slots that sequences admitted in this step copy their prefix from: the copy
+        # happens when the engine starts them, so until then these can be neither evicted nor
+        # moved. Cleared by take_moved(), which the engine calls after scheduling.
+        self._pinned: set[int] = set()
 
     @property
     def num_retained_blocks(self) -> int:
@@ -74,9 +78,11 @@ class Scheduler(abc.ABC):
         """Retained KV moved since the last call, as (from slot, to slot, tokens), in order.
 
         The engine moves it after dropping the evicted slots and before starting new
-        sequences (which may take a slot that was moved from).
+        sequences (which may take a slot that was moved from). The engine calls this after
+        each ``schedule()`` that returned work, before it starts the new sequences.
         """
         moved, self._moved = self._moved, []
+        self._pinned.clear()
         return moved
 
     @property
@@ -133,15 +139,16 @@ class Scheduler(abc.ABC):
 
     def can_admit(self, seq: Sequence) -> bool:
         """Whether the sequence fits now, counting retained KV as room (it can be evicted)."""
-        slots = len(self._free_slots) + len(self.prefix)
-        blocks = self.cache.num_free_blocks + self.num_retained_blocks
+        evictable = [slot for slot in self.prefix.slots() if slot not in self._pinned]
+        slots = len(self._free_slots) + len(evictable)
+        blocks = self.cache.num_free_blocks + sum(self._retained_blocks[s] for s in evictable)
         return slots > 0 and self.cache.blocks_for(seq.max_total_tokens) <= blocks
 
     def admit(self, seq: Sequence) -> None:
         """Give the sequence a slot and its worst case of cache, reusing a known prefix."""
         match = self._best_prefix(seq) if self.config.prefix_caching else None
         while not self.cache.can_allocate(seq.max_total_tokens):
-            victim = self.prefix.oldest()
+            victim = next((s for s in self.prefix.slots() if s not in self._pinned), None)
             assert victim is not None, "admit() without can_admit()"
             if match is not None and victim == match[0]:
                 match = None  # the prefix's source itself has to make room
@@ -153,6 +160,7 @@ class Scheduler(abc.ABC):
             self._drop_retained(source)
         elif source is not None:
             self.prefix.touch(source)  # copied from: it stays cached, as just used
+            self._pinned.add(source)
         if match is not None:
             seq.reuse = match
             seq.num_computed = match[1]
@@ -188,12 +196,15 @@ class Scheduler(abc.ABC):
             return slot not in kept, neighbours, rank, -age.get(slot, 0), -slot
 
         kept: set[int] = set()
-        slot = max([*self._free_slots, *age], key=preference)
+        # Pinned slots are copied from in this step; the one this sequence copies from can
+        # still be taken over (the copies run first, in admission order).
+        candidates = [*self._free_slots, *(s for s in age if s not in self._pinned or s == source)]
+        slot = max(candidates, key=preference)
         if slot in wanted and slot != source:
             to = self._move_target(exclude={slot, source}, wanted=wanted, running=running)
             if to is None:  # nowhere to move it: keep it, if anything else is left
                 kept = wanted - {source}
-                slot = max([*self._free_slots, *age], key=preference)
+                slot = max(candidates, key=preference)
             else:
                 self._move(slot, to)
                 return slot
@@ -212,7 +223,7 @@ class Scheduler(abc.ABC):
         if free:
             return min(free, key=lambda s: ((s - 1 in running) + (s + 1 in running), -s))
         for slot in self.prefix.slots():
-            if slot not in exclude and slot not in wanted:
+            if slot not in exclude and slot not in wanted and slot not in self._pinned:
                 self._evict(slot)
                 return slot
         return None

@@ -51,7 +51,7 @@ class ToyBackend(Backend):
         self.prompt_len.pop(slot, None)
 
     def share_prefix(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
-        assert not self.fed[dst_slot]
+        assert not self.fed.get(dst_slot), f"slot {dst_slot} is in use"
         self.fed[dst_slot] = self.fed[src_slot][:num_tokens]
 
     def step(self, items: Sequence[StepItem]) -> list[Sample | None]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 
 from toy_backend import ToyBackend
 
@@ -186,3 +187,73 @@ def test_wanted_kv_with_nowhere_to_go_is_taken_only_as_the_last_choice() -> None
     # slot 1 next to the running one, and the next in line then needs slot 2.
     assert s.take_moved() == [] and s.take_evicted() == [1, 2]
     assert (e.slot, wants_1.slot, wants_1.reuse) == (1, 2, None)
+
+
+def test_kv_being_copied_from_is_not_evicted_before_the_copy() -> None:
+    """Regression: a later admission in the same step evicted the slot an earlier one was
+    about to copy its prefix from, and llama.cpp refused the step (positions 0..64 in the
+    cache, 80 assumed)."""
+    s = FcfsScheduler(SchedulerConfig(4, 512, prefix_caching=True), BlockCachePolicy(4096, 16))
+    cached, gone, running = (seq(i, list(range(1000 * i, 1000 * i + 30))) for i in (1, 2, 3))
+    for x in (cached, gone, running):
+        s.add(x)
+    run_to_end(s, cached)
+    assert [cached.slot, gone.slot, running.slot] == [0, 1, 2]
+    s.finish(cached, retain=True)
+    s.finish(gone)
+    copier = seq(4, [*range(1000, 1020), 5, 6, 7])  # shares 20 tokens with slot 0
+    other, third = seq(5, list(range(5000, 5020))), seq(6, list(range(6000, 6020)))
+    for x in (copier, other, third):
+        s.add(x)
+    s.schedule()
+    assert copier.slot == 1 and copier.reuse == (0, 20) and other.slot == 3
+    # Slot 0 is the only one left, but copier has not copied from it yet: third waits.
+    assert third.slot is None and s.take_evicted() == []
+    s.take_moved()  # the engine starts copier here
+    s.schedule()
+    assert third.slot == 0 and s.take_evicted() == [0]
+
+
+def test_many_requests_sharing_prefixes_all_get_exact_outputs() -> None:
+    """More requests than slots, sharing a system prompt and repeating questions, so that
+    the engine copies, takes over, moves and evicts cached KV while others run; the toy
+    backend checks every step's positions, and repeats its prompt, so any wrong KV shows."""
+    cfg = ModelConfig(name="toy", backend="toy", path="-", max_seq_len=256, max_num_seqs=4,
+                      max_step_tokens=48, options={"step_delay_s": 0.001})
+    engine = Engine(cfg, ToyBackend(cfg), FcfsScheduler, BlockCachePolicy)
+    engine.start()
+    assert engine.wait_ready(5)
+    assert engine.scheduler is not None
+    moved: list[tuple[int, int, int]] = []
+    take_moved = engine.scheduler.take_moved
+
+    def spy() -> list[tuple[int, int, int]]:
+        out = take_moved()
+        moved.extend(out)
+        return out
+
+    engine.scheduler.take_moved = spy  # type: ignore[method-assign]
+    system = b"system: answer in one short sentence, politely. "
+    questions = [b"user: why is the sky blue? ", b"user: name a prime. ",
+                 b"user: what is a cat? and a dog? ", b"user: count to three. ",
+                 b"user: where is Paris? ", b"user: say hi. "]
+    rng = random.Random(7)
+    prompts = [system + rng.choice(questions) + b"assistant:" * rng.randint(0, 1)
+               for _ in range(60)]
+
+    def expected(prompt: bytes, n: int) -> str:
+        return bytes(prompt[p % len(prompt)] for p in range(len(prompt), len(prompt) + n)).decode()
+
+    async def one(prompt: bytes, n: int) -> str:
+        await asyncio.sleep(rng.random() * 0.05)
+        stream = engine.submit(list(prompt), SamplingParams(max_tokens=n))
+        return "".join([e.text async for e in stream])
+
+    async def all_of_them() -> list[str]:
+        return await asyncio.gather(*(one(p, 4 + i % 9) for i, p in enumerate(prompts)))
+
+    outputs = asyncio.run(all_of_them())
+    engine.stop()
+    assert outputs == [expected(p, 4 + i % 9) for i, p in enumerate(prompts)]
+    assert engine.prefix_hits > 40
+    print(f"\n{engine.prefix_hits} prefix hits, {len(moved)} moves")
