@@ -252,12 +252,16 @@ class LlamaCppBackend(Backend):
                 for item, row in zip(items, rows, strict=True)]
 
     def _sample(self, slot: int, row: int) -> Sample:
-        token = int(self._ll.llama_sampler_sample(self._samplers[slot], self._ctx, row))
-        top = self._params[slot].logprobs
+        sampler, top = self._samplers[slot], self._params[slot].logprobs
+        if sampler is None or top is not None:
+            logits = np.ctypeslib.as_array(self._ll.llama_get_logits_ith(self._ctx, row),
+                                           shape=(self._n_vocab,))
+        if sampler is None:  # plain greedy
+            token = int(logits.argmax())
+        else:
+            token = int(self._ll.llama_sampler_sample(sampler, self._ctx, row))
         if top is None:
             return Sample(token)
-        logits = np.ctypeslib.as_array(self._ll.llama_get_logits_ith(self._ctx, row),
-                                       shape=(self._n_vocab,))
         return sampling.logprobs_of(logits, token, top)
 
     def share_prefix(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:

@@ -16,11 +16,17 @@ def build_chain(ll: Any, params: SamplingParams, n_vocab: int) -> Any:
 
     The chain is per sequence, so a seeded request draws the same tokens whatever runs beside it.
     Penalties look at the tokens this sequence generated (the window is max_tokens long), as
-    OpenAI's presence and frequency penalties do.
+    OpenAI's presence and frequency penalties do. Returns None for plain greedy decoding (no
+    penalties): the caller takes the arg-max of the logits itself, which is the same token
+    (the first of equal maxima, as llama.cpp's greedy sampler picks) without the chain's copy
+    of the whole vocabulary (measured: about 0.17 ms a token for 49,152 tokens).
     """
+    penalties = (params.presence_penalty, params.frequency_penalty,
+                 params.repetition_penalty) != (0.0, 0.0, 1.0)
+    if params.greedy and not penalties:
+        return None
     chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
-    if (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) != \
-            (0.0, 0.0, 1.0):
+    if penalties:
         ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_penalties(
             n_vocab, params.max_tokens, params.repetition_penalty, params.frequency_penalty,
             params.presence_penalty))
