@@ -258,7 +258,6 @@ class Engine:
         try:
             while self._drain_inbox(block=not self.scheduler.has_work):  # type: ignore[union-attr]
                 self._step()
-                self._flush()
         finally:
             self.state = EngineState.STOPPED
             for live in list(self._live.values()):
@@ -336,6 +335,7 @@ class Engine:
             self._expire_waiting()
         chunks = self.scheduler.schedule()
         if not chunks:
+            self._flush()
             return
         for slot in self.scheduler.take_evicted():
             self.backend.free_sequence(slot)
@@ -349,10 +349,13 @@ class Engine:
                 live.started = True
                 self._dequeued()
                 self._emit(live, ADMITTED)
-        # Admissions go out before the step: the HTTP layer answers once a request runs.
-        self._flush()
         items = [StepItem(c.seq.slot, c.tokens, c.start_pos, c.samples)  # type: ignore[arg-type]
                  for c in chunks]
+        # The previous step's tokens and this step's admissions go out just before the model
+        # runs: the model call releases the GIL, so the event loop formats and sends them
+        # while it runs instead of holding the GIL between two steps (measured at concurrency
+        # 1: 0.70 ms between two decodes when sent after the step, against 0.30 without HTTP).
+        self._flush()
         try:
             sampled = self.backend.step(items)
         except Exception as e:  # noqa: BLE001 - fail the step's sequences, keep serving
@@ -365,6 +368,8 @@ class Engine:
             c.seq.num_computed += len(c.tokens)
             if sample is not None:
                 self._on_token(self._live[c.seq.seq_id], sample)
+        if not self.scheduler.has_work:
+            self._flush()  # no next step to carry them
 
     def _on_token(self, live: _Live, sample: Sample) -> None:
         seq, token = live.seq, sample.token_id
