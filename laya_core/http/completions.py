@@ -8,7 +8,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -20,6 +19,7 @@ from laya_core.http.body import json_body
 from laya_core.http.errors import APIError, invalid
 from laya_core.http.observe import Observer
 from laya_core.http.requests import ChatRequest, CompletionRequest, parse_chat, parse_completion
+from laya_core.http.sse import SSEResponse
 from laya_core.types import FinishReason
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -154,4 +154,4 @@ class CompletionHandlers:
             finally:
                 gen.release_all(runs)
 
-        return EventSourceResponse(events(), ping=15)
+        return SSEResponse(events())  # type: ignore[return-value]
