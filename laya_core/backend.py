@@ -80,6 +80,11 @@ class Backend(abc.ABC):
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("f16",)
     # Whether share_prefix and start_sequence(keep_tokens=) work, enabling prefix reuse.
     supports_prefix_sharing: ClassVar[bool] = False
+    # Whether a running sequence can change slots (``move_sequence``); backends whose batches
+    # run fastest when the running slots are consecutive set it (may be set per instance once
+    # the cache is allocated), and the scheduler then closes holes that finished sequences
+    # leave in the block.
+    supports_moving: bool = False
     # The keys ``[models.options]`` may hold for this backend; anything else is a manifest error.
     option_names: ClassVar[frozenset[str]] = frozenset()
 
@@ -134,9 +139,16 @@ class Backend(abc.ABC):
     def share_prefix(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
         """Make positions ``0 .. num_tokens-1`` of ``dst_slot`` hold ``src_slot``'s KV.
 
-        Called right after ``start_sequence(dst_slot, ...)``; only when
-        ``supports_prefix_sharing`` is true.
+        ``dst_slot`` holds nothing: it was just started with ``start_sequence``, or is free
+        (retained KV moving out of the way, followed by ``free_sequence(src_slot)``). Only
+        called when ``supports_prefix_sharing`` is true.
         """
+        raise NotImplementedError
+
+    def move_sequence(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
+        """Move a running sequence to the free ``dst_slot``: its KV (positions
+        ``0 .. num_tokens-1``) and its sampler state. ``src_slot`` is free afterwards. Only
+        called when ``supports_moving`` is true."""
         raise NotImplementedError
 
     @abc.abstractmethod

@@ -241,7 +241,8 @@ class Engine:
         self.backend.allocate_cache(n_ctx=pool_tokens, max_num_seqs=num_seqs)
         sched_config = SchedulerConfig(
             num_seqs, max(num_seqs, self.config.max_step_tokens),
-            prefix_caching=self.config.prefix_caching and self.backend.supports_prefix_sharing)
+            prefix_caching=self.config.prefix_caching and self.backend.supports_prefix_sharing,
+            compaction=self.backend.supports_moving)
         self.scheduler = self._scheduler_cls(sched_config, cache)
 
     def _run(self) -> None:
@@ -342,6 +343,8 @@ class Engine:
         for source, target, num_tokens in self.scheduler.take_moved():
             self.backend.share_prefix(source, target, num_tokens)
             self.backend.free_sequence(source)
+        for source, target, num_tokens in self.scheduler.take_compactions():
+            self.backend.move_sequence(source, target, num_tokens)
         for seq in self.scheduler.running:
             live = self._live[seq.seq_id]
             if not live.started:

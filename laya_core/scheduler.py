@@ -30,6 +30,9 @@ class SchedulerConfig:
     max_step_tokens: int = attrs.field(default=512, validator=attrs.validators.ge(1))
     # Keep finished sequences' KV for later prompts that start the same way.
     prefix_caching: bool = False
+    # Move a running sequence into a hole in the block of running slots when nothing waits to
+    # fill it (for backends with ``supports_moving``).
+    compaction: bool = False
 
 
 @attrs.frozen
@@ -63,6 +66,7 @@ class Scheduler(abc.ABC):
         # happens when the engine starts them, so until then these can be neither evicted nor
         # moved. Cleared by take_moved(), which the engine calls after scheduling.
         self._pinned: set[int] = set()
+        self._compactions: list[tuple[int, int, int]] = []  # running sequences moved
 
     @property
     def num_retained_blocks(self) -> int:
@@ -84,6 +88,43 @@ class Scheduler(abc.ABC):
         moved, self._moved = self._moved, []
         self._pinned.clear()
         return moved
+
+    def take_compactions(self) -> list[tuple[int, int, int]]:
+        """Running sequences moved since the last call, as (from slot, to slot, tokens of KV).
+
+        The engine moves them after the retained KV of ``take_moved()``.
+        """
+        compactions, self._compactions = self._compactions, []
+        return compactions
+
+    def _compact(self) -> None:
+        """Close the lowest hole in the block of running slots with the highest running one.
+
+        Only when nothing waits (an admission fills holes for free), at most once a step (a
+        move copies the sequence's KV), and never for a sequence still prefilling or lending
+        its KV in this step. Retained KV in the hole moves away first, as in ``_pick_slot``.
+        """
+        if not self.config.compaction or self.waiting or len(self.running) < 2:
+            return
+        running = {s.slot for s in self.running}
+        low, high = min(running), max(running)  # type: ignore[type-var]
+        if high - low + 1 == len(running):  # type: ignore[operator]
+            return
+        seq = max(self.running, key=lambda s: s.slot)  # type: ignore[arg-type, return-value]
+        hole = next(h for h in range(low, high) if h not in running)  # type: ignore[arg-type]
+        if seq.is_prefilling or seq.slot in self._pinned or hole in self._pinned:
+            return
+        if hole in self.prefix:
+            to = self._move_target(exclude={hole}, wanted=set(), running=running)
+            if to is None:
+                return
+            self._move(hole, to)
+        else:
+            self._free_slots.remove(hole)
+        assert seq.slot is not None
+        self._free_slots.append(seq.slot)
+        self._compactions.append((seq.slot, hole, seq.num_computed))
+        seq.slot = hole
 
     @property
     def has_work(self) -> bool:
@@ -161,6 +202,8 @@ class Scheduler(abc.ABC):
         elif source is not None:
             self.prefix.touch(source)  # copied from: it stays cached, as just used
             self._pinned.add(source)
+        elif match is not None:
+            self._pinned.add(match[0])  # a running sequence lends its KV: it must stay put
         if match is not None:
             seq.reuse = match
             seq.num_computed = match[1]
@@ -293,6 +336,7 @@ class FcfsScheduler(Scheduler):
     def schedule(self) -> list[Chunk]:
         while self.waiting and self.can_admit(self.waiting[0]):
             self.admit(self.waiting.popleft())
+        self._compact()
         budget = self.config.max_step_tokens
         chunks: list[Chunk] = []
         decoding = [s for s in self.running if not s.is_prefilling]

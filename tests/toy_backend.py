@@ -72,6 +72,15 @@ class ToyBackend(Backend):
             out.append(Sample(END if token == 0 else token, 0.0))
         return out
 
+    supports_moving = True
+
+    def move_sequence(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
+        assert not self.fed.get(dst_slot), f"slot {dst_slot} is in use"
+        assert len(self.fed[src_slot]) == num_tokens, "a running sequence moves whole"
+        self.fed[dst_slot] = self.fed.pop(src_slot)
+        if src_slot in self.prompt_len:
+            self.prompt_len[dst_slot] = self.prompt_len.pop(src_slot)
+
     def free_sequence(self, slot: int) -> None:
         self.fed.pop(slot)
         self.prompt_len.pop(slot, None)

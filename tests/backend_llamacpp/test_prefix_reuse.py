@@ -156,3 +156,39 @@ def test_moved_kv_continues_exactly_as_before(kv_unified: bool) -> None:
         assert generate(3, prompt[-1:], len(prompt) - 1) == expected
     finally:
         b.close()
+
+
+def test_a_running_sequence_moved_to_another_slot_continues_exactly() -> None:
+    """Compaction moves a running sequence mid-generation: its KV and its sampler (here a
+    seeded draw, whose random state must move too) carry on as if nothing happened."""
+    from laya_core.backend import ModelConfig, StepItem
+    from laya_core.builtin.model_paths import embedded_file
+    from laya_backend_llamacpp.backend import LlamaCppBackend
+
+    config = ModelConfig(name="m", backend="llamacpp", path=embedded_file("smollm2-135m-instruct"),
+                         max_seq_len=512, max_num_seqs=4)
+    b = LlamaCppBackend(config)
+    b.load_weights()
+    b.allocate_cache(n_ctx=2048, max_num_seqs=4)
+    assert b.supports_moving  # a stream per slot
+    params = SamplingParams(max_tokens=16, temperature=0.9, seed=42)
+    prompt = b.tokenize("Once upon a time, in a small village by the sea,", add_special=True)
+
+    def run(move_after: int | None) -> list[int]:
+        b.start_sequence(2, params)
+        slot, fed, start, out = 2, prompt, 0, []
+        for i in range(12):
+            if i == move_after:
+                b.move_sequence(2, 0, start)
+                slot = 0
+            sample = b.step([StepItem(slot, fed, start, True)])[0]
+            assert sample is not None
+            out.append(sample.token_id)
+            start, fed = start + len(fed), [sample.token_id]
+        b.free_sequence(slot)
+        return out
+
+    try:
+        assert run(move_after=6) == run(move_after=None)
+    finally:
+        b.close()

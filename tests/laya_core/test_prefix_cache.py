@@ -233,6 +233,15 @@ def test_many_requests_sharing_prefixes_all_get_exact_outputs() -> None:
         return out
 
     engine.scheduler.take_moved = spy  # type: ignore[method-assign]
+    compactions: list[tuple[int, int, int]] = []
+    take_compactions = engine.scheduler.take_compactions
+
+    def spy_compactions() -> list[tuple[int, int, int]]:
+        out = take_compactions()
+        compactions.extend(out)
+        return out
+
+    engine.scheduler.take_compactions = spy_compactions  # type: ignore[method-assign]
     system = b"system: answer in one short sentence, politely. "
     questions = [b"user: why is the sky blue? ", b"user: name a prime. ",
                  b"user: what is a cat? and a dog? ", b"user: count to three. ",
@@ -256,4 +265,60 @@ def test_many_requests_sharing_prefixes_all_get_exact_outputs() -> None:
     engine.stop()
     assert outputs == [expected(p, 4 + i % 9) for i, p in enumerate(prompts)]
     assert engine.prefix_hits > 40
-    print(f"\n{engine.prefix_hits} prefix hits, {len(moved)} moves")
+    print(f"\n{engine.prefix_hits} prefix hits, {len(moved)} moves, "
+          f"{len(compactions)} running sequences moved")
+
+
+def test_a_hole_in_the_running_block_is_closed_when_nothing_waits() -> None:
+    config = SchedulerConfig(6, 512, prefix_caching=True, compaction=True)
+    s = FcfsScheduler(config, BlockCachePolicy(4096, 16))
+    seqs = [seq(i, list(range(1000 * i, 1000 * i + 20))) for i in range(1, 5)]
+    for x in seqs:
+        s.add(x)
+    run_to_end(s, seqs[0])
+    assert [x.slot for x in seqs] == [0, 1, 2, 3]
+    for x in seqs:
+        x.output_token_ids.append(7)  # all decoding now
+    s.finish(seqs[1], retain=True)  # a hole at 1, holding KV
+    s.schedule()
+    # The last running sequence moves into the hole; the KV there moves to the free slot
+    # farthest from the block.
+    assert s.take_moved() == [(1, 5, 20)] and s.take_compactions() == [(3, 1, 20)]
+    assert sorted(x.slot for x in s.running) == [0, 1, 2] and 5 in s.prefix
+    s.schedule()
+    assert s.take_compactions() == []  # one block again
+
+
+def test_the_engine_closes_a_hole_and_the_moved_stream_stays_exact() -> None:
+    cfg = ModelConfig(name="toy", backend="toy", path="-", max_seq_len=256, max_num_seqs=6,
+                      options={"step_delay_s": 0.002})
+    engine = Engine(cfg, ToyBackend(cfg), FcfsScheduler, BlockCachePolicy)
+    engine.start()
+    assert engine.wait_ready(5)
+    assert engine.scheduler is not None
+    moved: list[tuple[int, int, int]] = []
+    take = engine.scheduler.take_compactions
+
+    def spy() -> list[tuple[int, int, int]]:
+        out = take()
+        moved.extend(out)
+        return out
+
+    engine.scheduler.take_compactions = spy  # type: ignore[method-assign]
+    prompts = [b"first prompt, long run. ", b"second: short. ", b"third prompt runs on. ",
+               b"fourth prompt, the one that moves. "]
+    limits = (40, 3, 40, 40)
+
+    async def one(prompt: bytes, n: int) -> str:
+        return "".join([e.text async for e in engine.submit(list(prompt),
+                                                            SamplingParams(max_tokens=n))])
+
+    async def together() -> list[str]:
+        return await asyncio.gather(*(one(p, n) for p, n in zip(prompts, limits, strict=True)))
+
+    outputs = asyncio.run(together())
+    engine.stop()
+    # Slots 0-3 in arrival order; the second ends first and the fourth moves into its slot.
+    assert moved and moved[0][:2] == (3, 1)
+    assert outputs == [bytes(p[i % len(p)] for i in range(len(p), len(p) + n)).decode()
+                       for p, n in zip(prompts, limits, strict=True)]

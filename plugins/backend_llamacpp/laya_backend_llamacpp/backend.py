@@ -180,6 +180,8 @@ class LlamaCppBackend(Backend):
         threads = int(self.config.options.get("n_threads", default_threads()))
         params.n_threads = params.n_threads_batch = threads
         self._unified, _ = kv_layout(self.config, n_ctx, max_num_seqs)
+        # With a stream per slot, each run of consecutive slots is its own forward pass.
+        self.supports_moving = not self._unified
         params.kv_unified = self._unified
         params.type_k = params.type_v = _GGML_TYPE[self.config.kv_cache_dtype]
         params.no_perf = True
@@ -275,6 +277,12 @@ class LlamaCppBackend(Backend):
         # preallocated buffer, before the next decode); the tail past the prefix is dropped.
         ll.llama_memory_seq_cp(self._mem, src_slot, dst_slot, -1, -1)
         ll.llama_memory_seq_rm(self._mem, dst_slot, num_tokens, -1)
+
+    def move_sequence(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
+        self.share_prefix(src_slot, dst_slot, num_tokens)
+        self._ll.llama_memory_seq_rm(self._mem, src_slot, -1, -1)
+        self._samplers[dst_slot] = self._samplers.pop(src_slot)
+        self._params[dst_slot] = self._params.pop(src_slot)
 
     def free_sequence(self, slot: int) -> None:
         self._ll.llama_memory_seq_rm(self._mem, slot, -1, -1)
