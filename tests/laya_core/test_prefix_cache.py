@@ -127,13 +127,20 @@ def test_a_repeated_answer_is_cached_once_and_a_new_answer_replaces_the_old() ->
     assert s.prefix.slots() == [different.slot] and first.slot in s.take_evicted()
 
 
+def started(s: FcfsScheduler, count: int, prompt_len: int = 20) -> list[Sequence]:
+    """``count`` sequences with distinct prompts (1000.., 2000.., ...), admitted and prefilled;
+    they take slots 0, 1, 2, ... in order."""
+    seqs = [seq(i, list(range(1000 * i, 1000 * i + prompt_len))) for i in range(1, count + 1)]
+    for x in seqs:
+        s.add(x)
+    run_to_end(s, seqs[0])
+    assert [x.slot for x in seqs] == list(range(count))
+    return seqs
+
+
 def test_new_sequences_join_the_block_of_running_slots() -> None:
     s = FcfsScheduler(SchedulerConfig(4, 512, prefix_caching=True), BlockCachePolicy(2048, 16))
-    a, b, c = (seq(i, list(range(1000 * i, 1000 * i + 20))) for i in (1, 2, 3))
-    for x in (a, b, c):
-        s.add(x)
-    run_to_end(s, a)
-    assert [a.slot, b.slot, c.slot] == [0, 1, 2]
+    a, b, c = started(s, 3)
     s.finish(b, retain=True)  # a hole at 1, holding b's KV
     d = seq(4, list(range(5000, 5020)))
     s.add(d)
@@ -155,10 +162,7 @@ def test_new_sequences_join_the_block_of_running_slots() -> None:
 def three_slots_one_running() -> tuple[FcfsScheduler, list[Sequence]]:
     """Slot 0 runs; slots 1 and 2 hold finished sequences' KV (prompts 2000.., 3000..)."""
     s = FcfsScheduler(SchedulerConfig(3, 512, prefix_caching=True), BlockCachePolicy(2048, 16))
-    a, b, c = (seq(i, list(range(1000 * i, 1000 * i + 20))) for i in (1, 2, 3))
-    for x in (a, b, c):
-        s.add(x)
-    run_to_end(s, a)
+    a, b, c = started(s, 3)
     s.finish(b, retain=True)
     s.finish(c, retain=True)
     return s, [a, b, c]
@@ -194,11 +198,7 @@ def test_kv_being_copied_from_is_not_evicted_before_the_copy() -> None:
     about to copy its prefix from, and llama.cpp refused the step (positions 0..64 in the
     cache, 80 assumed)."""
     s = FcfsScheduler(SchedulerConfig(4, 512, prefix_caching=True), BlockCachePolicy(4096, 16))
-    cached, gone, running = (seq(i, list(range(1000 * i, 1000 * i + 30))) for i in (1, 2, 3))
-    for x in (cached, gone, running):
-        s.add(x)
-    run_to_end(s, cached)
-    assert [cached.slot, gone.slot, running.slot] == [0, 1, 2]
+    cached, gone, running = started(s, 3, prompt_len=30)
     s.finish(cached, retain=True)
     s.finish(gone)
     copier = seq(4, [*range(1000, 1020), 5, 6, 7])  # shares 20 tokens with slot 0
@@ -214,6 +214,20 @@ def test_kv_being_copied_from_is_not_evicted_before_the_copy() -> None:
     assert third.slot == 0 and s.take_evicted() == [0]
 
 
+def recorded(engine: Engine, method: str) -> list[tuple[int, int, int]]:
+    """Keep what the engine takes from its scheduler's ``method`` (take_moved and the like)."""
+    seen: list[tuple[int, int, int]] = []
+    take = getattr(engine.scheduler, method)
+
+    def keep() -> list[tuple[int, int, int]]:
+        out = take()
+        seen.extend(out)
+        return out
+
+    setattr(engine.scheduler, method, keep)
+    return seen
+
+
 def test_many_requests_sharing_prefixes_all_get_exact_outputs() -> None:
     """More requests than slots, sharing a system prompt and repeating questions, so that
     the engine copies, takes over, moves and evicts cached KV while others run; the toy
@@ -223,25 +237,7 @@ def test_many_requests_sharing_prefixes_all_get_exact_outputs() -> None:
     engine = Engine(cfg, ToyBackend(cfg), FcfsScheduler, BlockCachePolicy)
     engine.start()
     assert engine.wait_ready(5)
-    assert engine.scheduler is not None
-    moved: list[tuple[int, int, int]] = []
-    take_moved = engine.scheduler.take_moved
-
-    def spy() -> list[tuple[int, int, int]]:
-        out = take_moved()
-        moved.extend(out)
-        return out
-
-    engine.scheduler.take_moved = spy  # type: ignore[method-assign]
-    compactions: list[tuple[int, int, int]] = []
-    take_compactions = engine.scheduler.take_compactions
-
-    def spy_compactions() -> list[tuple[int, int, int]]:
-        out = take_compactions()
-        compactions.extend(out)
-        return out
-
-    engine.scheduler.take_compactions = spy_compactions  # type: ignore[method-assign]
+    moved, compactions = recorded(engine, "take_moved"), recorded(engine, "take_compactions")
     system = b"system: answer in one short sentence, politely. "
     questions = [b"user: why is the sky blue? ", b"user: name a prime. ",
                  b"user: what is a cat? and a dog? ", b"user: count to three. ",
@@ -272,11 +268,7 @@ def test_many_requests_sharing_prefixes_all_get_exact_outputs() -> None:
 def test_a_hole_in_the_running_block_is_closed_when_nothing_waits() -> None:
     config = SchedulerConfig(6, 512, prefix_caching=True, compaction=True)
     s = FcfsScheduler(config, BlockCachePolicy(4096, 16))
-    seqs = [seq(i, list(range(1000 * i, 1000 * i + 20))) for i in range(1, 5)]
-    for x in seqs:
-        s.add(x)
-    run_to_end(s, seqs[0])
-    assert [x.slot for x in seqs] == [0, 1, 2, 3]
+    seqs = started(s, 4)
     for x in seqs:
         x.output_token_ids.append(7)  # all decoding now
     s.finish(seqs[1], retain=True)  # a hole at 1, holding KV
@@ -295,16 +287,7 @@ def test_the_engine_closes_a_hole_and_the_moved_stream_stays_exact() -> None:
     engine = Engine(cfg, ToyBackend(cfg), FcfsScheduler, BlockCachePolicy)
     engine.start()
     assert engine.wait_ready(5)
-    assert engine.scheduler is not None
-    moved: list[tuple[int, int, int]] = []
-    take = engine.scheduler.take_compactions
-
-    def spy() -> list[tuple[int, int, int]]:
-        out = take()
-        moved.extend(out)
-        return out
-
-    engine.scheduler.take_compactions = spy  # type: ignore[method-assign]
+    moved = recorded(engine, "take_compactions")
     prompts = [b"first prompt, long run. ", b"second: short. ", b"third prompt runs on. ",
                b"fourth prompt, the one that moves. "]
     limits = (40, 3, 40, 40)
