@@ -62,9 +62,9 @@ class Scheduler(abc.ABC):
         self._retained_blocks: dict[int, int] = {}  # slot -> blocks its retained KV holds
         self._evicted: list[int] = []  # retained slots whose KV the backend must drop
         self._moved: list[tuple[int, int, int]] = []  # retained KV to move: (from, to, tokens)
-        # Retained slots that sequences admitted in this step copy their prefix from: the copy
-        # happens when the engine starts them, so until then these can be neither evicted nor
-        # moved. Cleared by take_moved(), which the engine calls after scheduling.
+        # Slots (retained or running) that sequences admitted in this step copy their prefix
+        # from: the copy happens when the engine starts them, so until then these can be
+        # neither evicted nor moved. Cleared by take_moved(), called after scheduling.
         self._pinned: set[int] = set()
         self._compactions: list[tuple[int, int, int]] = []  # running sequences moved
 
@@ -106,13 +106,13 @@ class Scheduler(abc.ABC):
         """
         if not self.config.compaction or self.waiting or len(self.running) < 2:
             return
-        running = {s.slot for s in self.running}
-        low, high = min(running), max(running)  # type: ignore[type-var]
-        if high - low + 1 == len(running):  # type: ignore[operator]
+        running = {s.slot for s in self.running if s.slot is not None}
+        low, high = min(running), max(running)
+        if high - low + 1 == len(running):
             return
-        seq = max(self.running, key=lambda s: s.slot)  # type: ignore[arg-type, return-value]
-        hole = next(h for h in range(low, high) if h not in running)  # type: ignore[arg-type]
-        if seq.is_prefilling or seq.slot in self._pinned or hole in self._pinned:
+        seq = next(s for s in self.running if s.slot == high)
+        hole = next(h for h in range(low, high) if h not in running)
+        if seq.is_prefilling or high in self._pinned or hole in self._pinned:
             return
         if hole in self.prefix:
             to = self._move_target(exclude={hole}, wanted=set(), running=running)
@@ -121,9 +121,8 @@ class Scheduler(abc.ABC):
             self._move(hole, to)
         else:
             self._free_slots.remove(hole)
-        assert seq.slot is not None
-        self._free_slots.append(seq.slot)
-        self._compactions.append((seq.slot, hole, seq.num_computed))
+        self._free_slots.append(high)
+        self._compactions.append((high, hole, seq.num_computed))
         seq.slot = hole
 
     @property
@@ -226,7 +225,7 @@ class Scheduler(abc.ABC):
         block (a free one, else the least recently used one nobody waits for), or, with no
         such slot, the slot is taken only when nothing else is left.
         """
-        running = {s.slot for s in self.running}
+        running = {s.slot for s in self.running if s.slot is not None}
         age = {slot: i for i, slot in enumerate(self.prefix.slots())}
         wanted = self._wanted_by_waiting() if age and self.waiting else set()
 
@@ -258,7 +257,7 @@ class Scheduler(abc.ABC):
         return slot
 
     def _move_target(self, exclude: set[int | None], wanted: set[int],
-                     running: set[int | None]) -> int | None:
+                     running: set[int]) -> int | None:
         """Where to move retained KV out of the way: a free slot with the fewest running
         neighbours (the highest number on a tie), else the least recently used retained slot
         that no waiting sequence wants (evicted)."""
