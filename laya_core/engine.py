@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 import time
+
 import attrs
 
 from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem
@@ -22,6 +23,7 @@ from laya_core.detokenizer import IncrementalDetokenizer
 from laya_core.memory_plan import DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_SEQ_LEN
 from laya_core.scheduler import Scheduler, SchedulerConfig
 from laya_core.sequence import Sequence
+from laya_core.stream import ADMITTED, GenerationStream, deliver
 from laya_core.types import FinishReason, Sample, SamplingParams, Timing, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -47,9 +49,6 @@ class QueueFullError(RuntimeError):
     """As many requests wait for room as the queue holds."""
 
 
-ADMITTED = TokenEvent("", (), admitted=True)
-
-
 @attrs.define(eq=False)
 class _Live:
     """Engine-side state of a sequence besides its tokens: where its events go, its text."""
@@ -59,50 +58,6 @@ class _Live:
     queue: asyncio.Queue[TokenEvent]
     detokenizer: IncrementalDetokenizer
     started: bool = False  # admitted and known to the backend
-
-
-class GenerationStream:
-    """The asyncio side of one request: an async iterator of :class:`TokenEvent`."""
-
-    def __init__(self, engine: Engine, seq: Sequence) -> None:
-        self.engine = engine
-        self.seq = seq
-        self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        self.finished = False
-        self._admitted = False
-        self._early_end: TokenEvent | None = None
-
-    async def wait_admitted(self) -> TokenEvent | None:
-        """Wait until the sequence joins the batch; the final event if it ended before that."""
-        while not self._admitted and self._early_end is None:
-            event = await self.queue.get()
-            if event.admitted:
-                self._admitted = True
-            elif event.finish_reason is not None:
-                self._early_end = event
-        return self._early_end
-
-    def __aiter__(self) -> GenerationStream:
-        return self
-
-    async def __anext__(self) -> TokenEvent:
-        if self.finished:
-            raise StopAsyncIteration
-        event = self._early_end or await self.queue.get()
-        while event.admitted:
-            self._admitted = True
-            event = await self.queue.get()
-        self.finished = event.finish_reason is not None
-        return event
-
-    def cancel(self) -> None:
-        """Leave the batch at the next step; safe to call at any time, more than once."""
-        if not self.finished:
-            self.engine.cancel(self.seq.seq_id)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return self.seq.num_prompt_tokens
 
 
 class Engine:
@@ -182,7 +137,7 @@ class Engine:
             self._num_queued += 1
         loop = loop or asyncio.get_running_loop()
         seq = Sequence(next(self._ids), list(prompt_token_ids), params)
-        stream = GenerationStream(self, seq)
+        stream = GenerationStream(seq, self.cancel)
         detok = IncrementalDetokenizer(self.backend.token_bytes, params.stop)
         self._inbox.put(_Live(seq, loop, stream.queue, detok))
         return stream
@@ -274,7 +229,7 @@ class Engine:
         outbox, self._outbox = self._outbox, {}
         for loop, events in outbox.items():
             try:
-                loop.call_soon_threadsafe(_deliver, events)
+                loop.call_soon_threadsafe(deliver, events)
             except RuntimeError:  # the loop is closed: nobody is left to read these requests
                 pass
 
@@ -413,11 +368,6 @@ class Engine:
         seq.finished_time = time.perf_counter()
         del self._live[seq.seq_id]
         self._emit(live, TokenEvent(text, token_ids, reason, error, _timing(seq), samples=samples))
-
-
-def _deliver(events: list[tuple[asyncio.Queue[TokenEvent], TokenEvent]]) -> None:
-    for queue_, event in events:
-        queue_.put_nowait(event)
 
 
 def _timing(seq: Sequence) -> Timing:

@@ -13,13 +13,13 @@ from laya_core.deployment import Deployment, UnknownModelError
 from laya_core.engine import (
     Engine,
     EngineUnavailableError,
-    GenerationStream,
     QueueFullError,
     RequestTooLongError,
 )
 from laya_core.http.errors import APIError, invalid
 from laya_core.http.requests import ChatRequest, CompletionRequest, GenerationRequest
 from laya_core.router import NoRouteError, prefix_hashes
+from laya_core.stream import GenerationStream
 from laya_core.types import FinishReason, Sample, SamplingParams, Timing, TokenEvent
 
 QUEUE_RETRY_AFTER_S = 2

@@ -1,0 +1,66 @@
+"""The asyncio side of a request: the events an engine thread hands to an event loop.
+
+The engine gathers a step's events and calls ``loop.call_soon_threadsafe(deliver, events)``
+once per event loop; each request reads its own queue through a :class:`GenerationStream`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from laya_core.sequence import Sequence
+from laya_core.types import TokenEvent
+
+# Sent when a sequence joins the batch: the HTTP layer answers only once a request runs.
+ADMITTED = TokenEvent("", (), admitted=True)
+
+
+def deliver(events: list[tuple[asyncio.Queue[TokenEvent], TokenEvent]]) -> None:
+    """Put each event in its request's queue; runs on the event loop."""
+    for queue, event in events:
+        queue.put_nowait(event)
+
+
+class GenerationStream:
+    """The asyncio side of one request: an async iterator of :class:`TokenEvent`."""
+
+    def __init__(self, seq: Sequence, cancel: Callable[[int], None]) -> None:
+        self.seq = seq
+        self._cancel = cancel
+        self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.finished = False
+        self._admitted = False
+        self._early_end: TokenEvent | None = None
+
+    async def wait_admitted(self) -> TokenEvent | None:
+        """Wait until the sequence joins the batch; the final event if it ended before that."""
+        while not self._admitted and self._early_end is None:
+            event = await self.queue.get()
+            if event.admitted:
+                self._admitted = True
+            elif event.finish_reason is not None:
+                self._early_end = event
+        return self._early_end
+
+    def __aiter__(self) -> GenerationStream:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self.finished:
+            raise StopAsyncIteration
+        event = self._early_end or await self.queue.get()
+        while event.admitted:
+            self._admitted = True
+            event = await self.queue.get()
+        self.finished = event.finish_reason is not None
+        return event
+
+    def cancel(self) -> None:
+        """Leave the batch at the next step; safe to call at any time, more than once."""
+        if not self.finished:
+            self._cancel(self.seq.seq_id)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.seq.num_prompt_tokens
