@@ -28,6 +28,14 @@ def seven_b_manifest(tmp_path: Path, budget: str = "64GiB") -> Path:
     return manifest
 
 
+def smol_manifest(tmp_path: Path, budget: str, extra: str = "") -> Path:
+    """The embedded model at max_seq_len 8192 under ``budget``, plus ``extra`` model keys."""
+    manifest = tmp_path / "laya.toml"
+    manifest.write_text(f'[memory]\nbudget = "{budget}"\n[[models]]\nname = "smol"\n'
+                        'path = "embedded:smollm2-135m-instruct"\nmax_seq_len = 8192\n' + extra)
+    return manifest
+
+
 def test_plan_json_for_a_7b_model_from_config_alone(tmp_path: Path) -> None:
     manifest = seven_b_manifest(tmp_path)
     started = time.perf_counter()
@@ -55,11 +63,7 @@ def test_plan_text_uses_binary_units_and_fits_the_embedded_model() -> None:
 
 
 def test_serve_refuses_with_numbers_and_settings_that_fit(tmp_path: Path) -> None:
-    manifest = tmp_path / "laya.toml"
-    manifest.write_text('[memory]\nbudget = "1.2GiB"\n[[models]]\nname = "smol"\n'
-                        'path = "embedded:smollm2-135m-instruct"\nmax_seq_len = 8192\n'
-                        "max_num_seqs = 8\n")
-    out = laya("serve", str(manifest))
+    out = laya("serve", str(smol_manifest(tmp_path, "1.2GiB", "max_num_seqs = 8\n")))
     assert out.returncode == 1
     assert "refusing to start" in out.stderr and "DOES NOT FIT" in out.stderr
     assert "1.41 GiB" in out.stderr  # the KV pool: 8 x 8192 x 22.5 KiB
@@ -69,10 +73,7 @@ def test_serve_refuses_with_numbers_and_settings_that_fit(tmp_path: Path) -> Non
 
 
 def test_when_no_single_setting_fits_a_combination_is_offered(tmp_path: Path) -> None:
-    manifest = tmp_path / "laya.toml"
-    manifest.write_text('[memory]\nbudget = "300MiB"\n[[models]]\nname = "smol"\n'
-                        'path = "embedded:smollm2-135m-instruct"\nmax_seq_len = 8192\n')
-    out = laya("plan", str(manifest))
+    out = laya("plan", str(smol_manifest(tmp_path, "300MiB")))
     assert out.returncode == 1
     assert "models[0].max_step_tokens = 64 together with models[0].max_seq_len = " in out.stdout
 
