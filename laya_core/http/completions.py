@@ -50,22 +50,24 @@ class CompletionHandlers:
         self.observer = observer
         self.max_body = deployment.manifest.server.max_body_bytes
 
-    async def _start(self, req: ChatRequest | CompletionRequest,
-                     session: str | None) -> list[gen.Running]:
+    async def _start(
+        self, request: Request, req: ChatRequest | CompletionRequest, id_prefix: str, obj: str,
+    ) -> tuple[list[gen.Running], dict[str, Any], Callable[[int], bytes]]:
+        """Start the request's sequences (cancelled if the client leaves while they queue);
+        the running sequences, the fields every response object repeats, and token bytes."""
+        session = request.headers.get("x-session-id")
         try:
-            return await gen.start(self.deployment, req, session)
+            runs = await _guarded(request, gen.start(self.deployment, req, session))
         except TemplateError as e:
             raise invalid("messages", str(e), "chat_template_error") from None
-
-    def _token_bytes(self, runs: list[gen.Running]) -> Callable[[int], bytes]:
-        return runs[0].engine.backend.token_bytes
+        base = {"id": gen.new_id(id_prefix), "object": obj, "created": int(time.time()),
+                "model": req.common.model}
+        return runs, base, runs[0].engine.backend.token_bytes
 
     async def chat(self, request: Request) -> Response:
         req = parse_chat(await json_body(request, self.max_body))
-        runs = await _guarded(request, self._start(req, request.headers.get("x-session-id")))
-        base = {"id": gen.new_id("chatcmpl"), "object": "chat.completion.chunk",
-                "created": int(time.time()), "model": req.common.model}
-        token_bytes = self._token_bytes(runs)
+        runs, base, token_bytes = await self._start(request, req, "chatcmpl",
+                                                    "chat.completion.chunk")
         if req.common.stream:
             started: set[int] = set()
 
@@ -90,10 +92,7 @@ class CompletionHandlers:
 
     async def completions(self, request: Request) -> Response:
         req = parse_completion(await json_body(request, self.max_body))
-        runs = await _guarded(request, self._start(req, request.headers.get("x-session-id")))
-        base = {"id": gen.new_id("cmpl"), "object": "text_completion",
-                "created": int(time.time()), "model": req.common.model}
-        token_bytes = self._token_bytes(runs)
+        runs, base, token_bytes = await self._start(request, req, "cmpl", "text_completion")
         if req.common.stream:
             def chunk(i: int, event: Any) -> dict[str, Any]:
                 lp = fmt.completion_logprobs(event.samples, token_bytes) \
