@@ -93,6 +93,12 @@ class Backend(abc.ABC):
         """A problem with the model path for this backend (said to the user), or None."""
         return None
 
+    @classmethod
+    def check_option(cls, name: str, value: object) -> str | None:
+        """A problem with the value of ``[models.options]`` key ``name`` (one of
+        ``option_names``), said to the user after the key's path, or None."""
+        return None
+
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
 
@@ -163,6 +169,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def free_sequence(self, slot: int) -> None:
         """Drop the KV cache and sampler state of ``slot``."""
+
+    def describe(self) -> dict[str, Any]:
+        """How this instance runs, for the start-up log and ``/ready``: the hardware and
+        library features in use, where the weights went, thread counts. Plain JSON values;
+        called from any thread, after ``load_weights`` and between steps alike."""
+        return {}
 
     def close(self) -> None:  # noqa: B027 - optional: not every backend holds resources
         """Release the model; the backend is not used afterwards."""

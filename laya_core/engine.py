@@ -177,6 +177,15 @@ class Engine:
         with self._lock:
             self._num_queued -= 1
 
+    def runtime(self) -> dict[str, object]:
+        """The backend's own account of how it runs (``Backend.describe``), once loaded."""
+        if self.info is None:
+            return {}
+        try:
+            return self.backend.describe()
+        except Exception as e:  # noqa: BLE001 - a report must not break /ready
+            return {"describe_error": f"{type(e).__name__}: {e}"}
+
     @property
     def kv_usage(self) -> float:
         """Fraction of the pool reserved by live sequences."""
@@ -211,6 +220,8 @@ class Engine:
             return
         self.state = EngineState.READY
         self._ready.set()
+        log.info("%s replica %d ready: %s", self.config.name, self.replica_id,
+                 "; ".join(f"{k} {_plain(v)}" for k, v in self.runtime().items()) or "-")
         try:
             while self._drain_inbox(block=not self.scheduler.has_work):  # type: ignore[union-attr]
                 self._step()
@@ -368,6 +379,14 @@ class Engine:
         seq.finished_time = time.perf_counter()
         del self._live[seq.seq_id]
         self._emit(live, TokenEvent(text, token_ids, reason, error, _timing(seq), samples=samples))
+
+
+def _plain(value: object) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_plain(v)}" for k, v in value.items()) or "-"
+    if isinstance(value, (list, tuple)):
+        return " ".join(str(v) for v in value) or "-"
+    return str(value)
 
 
 def _timing(seq: Sequence) -> Timing:

@@ -315,3 +315,6 @@ def _check_backend_fit(backend_cls: Any, m: ModelConfig, path: str, i: int) -> N
             raise ManifestError(f"models[{i}].options.{name}",
                                 f"the {m.backend} backend has no option {name!r}; its "
                                 f"options are: {known}")
+        problem = backend_cls.check_option(name, m.options[name])
+        if problem:
+            raise ManifestError(f"models[{i}].options.{name}", problem)

@@ -48,6 +48,9 @@ class ModelShape:
     n_ctx_train: int
     weights_bytes: int
     weights_source: str  # how weights_bytes was obtained
+    # Element types of the weight matrices (GGUF type names in lower case, "q4_0"), leaving
+    # out the token embedding, which is looked up rather than multiplied; empty when unknown.
+    matrix_types: frozenset[str] = frozenset()
 
     @property
     def kv_elements_per_token(self) -> int:
@@ -99,8 +102,9 @@ def read_gguf(path: Path) -> ModelShape:
             keep = not key.startswith("tokenizer.ggml.")  # vocabulary arrays: skip
             meta[key] = c.value(vtype, keep)
         weights = 0
+        matrix_types = set()
         for _ in range(n_tensors):
-            c.string()
+            name = c.string()
             dims = [c.unpack("<Q") for _ in range(c.unpack("<I"))]
             ttype = GGMLQuantizationType(c.unpack("<I"))
             c.unpack("<Q")
@@ -109,7 +113,10 @@ def read_gguf(path: Path) -> ModelShape:
             for d in dims:
                 n *= d
             weights += n // block * size
-    return _shape_from_gguf(meta, weights, n_tensors, path)
+            if len(dims) >= 2 and not name.startswith("token_embd."):
+                matrix_types.add(ttype.name.lower())
+    shape = _shape_from_gguf(meta, weights, n_tensors, path)
+    return attrs.evolve(shape, matrix_types=frozenset(matrix_types))
 
 
 def _shape_from_gguf(meta: dict[str, Any], weights: int, n_tensors: int, path: Path) -> ModelShape:

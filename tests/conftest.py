@@ -85,3 +85,25 @@ def smollm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPr
     finally:
         code = server.stop()
     assert code == 0, f"server exited with {code}:\n{server.log()}"
+
+
+@pytest.fixture(scope="session")
+def q4_0_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The embedded model requantized to Q4_0, a type llama.cpp repacks on x86 and ARM.
+
+    Derived here with llama.cpp's own quantizer (about 0.3 s), so the tests need no download.
+    """
+    import ctypes
+
+    import llama_cpp
+
+    from laya_core.builtin.model_paths import embedded_file
+
+    out = tmp_path_factory.mktemp("models") / "smollm2-135m-instruct.q4_0.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = 2  # LLAMA_FTYPE_MOSTLY_Q4_0
+    params.allow_requantize = True  # the source is Q4_1 already
+    rc = llama_cpp.llama_model_quantize(embedded_file("smollm2-135m-instruct").encode(),
+                                        str(out).encode(), ctypes.byref(params))
+    assert rc == 0, f"llama_model_quantize returned {rc}"
+    return str(out)

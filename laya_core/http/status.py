@@ -24,6 +24,7 @@ def deployment_status(d: Deployment) -> dict[str, Any]:
             "prefix_cache_tokens_reused": e.prefix_tokens_reused,
             "kv_pool_bytes": ledger.kv_pool_bytes if ledger else None,
             "rejections": dict(e.rejections),
+            "runtime": e.runtime(),
         })
     memory = None
     if d.plan is not None:

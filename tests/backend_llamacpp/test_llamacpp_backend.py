@@ -51,9 +51,25 @@ def test_model_info(engine: Engine) -> None:
     assert engine.max_seq_len == 512
 
 
-def test_greedy_equals_llama_cpp_pythons_own_completion(engine: Engine) -> None:
+def reference_llama(path: str, repack: bool, monkeypatch: pytest.MonkeyPatch) -> llama_cpp.Llama:
+    """llama-cpp-python's own ``Llama``, with the backend's choice of weight buffers: its
+    constructor has no such argument, and on an AMX CPU its default segfaults."""
+    defaults = llama_cpp.llama_cpp.llama_model_default_params
+
+    def params() -> llama_cpp.llama_model_params:
+        p = defaults()
+        p.use_extra_bufts = repack
+        return p
+
+    monkeypatch.setattr(llama_cpp.llama_cpp, "llama_model_default_params", params)
+    return llama_cpp.Llama(path, n_ctx=512, n_threads=1, verbose=False)
+
+
+def test_greedy_equals_llama_cpp_pythons_own_completion(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     text, tokens, _ = generate(engine, PROMPT, max_tokens=24, temperature=0.0, ignore_eos=True)
-    reference = llama_cpp.Llama(engine.config.path, n_ctx=512, n_threads=1, verbose=False)
+    reference = reference_llama(engine.config.path, engine.backend.describe()["repack"],
+                                monkeypatch)
     try:
         expected = reference.create_completion(PROMPT, max_tokens=24, temperature=0.0)
     finally:

@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 from conftest import ServerProcess
+from laya_backend_llamacpp.cpu import read_cpuinfo
 
 
 @pytest.fixture(scope="module")
@@ -189,3 +190,16 @@ def test_stop_token_ids_and_ignore_eos(client: openai.OpenAI) -> None:
     full = client.chat.completions.create(model="smollm2", messages=chat, max_tokens=40,  # type: ignore[arg-type]
                                           temperature=0, extra_body={"ignore_eos": True})
     assert full.choices[0].finish_reason == "length"
+
+
+def test_ready_and_the_start_up_log_say_how_llama_cpp_runs(smollm_server: ServerProcess) -> None:
+    (replica,) = httpx.get(f"{smollm_server.url}/ready").json()["replicas"]
+    runtime = replica["runtime"]
+    host = read_cpuinfo()
+    assert runtime["cpu"] == host.model and runtime["cpu_flags"] == host.notable_flags
+    assert isinstance(runtime["repack"], bool) and runtime["repack_reason"]
+    assert set(runtime["weight_buffer_bytes"]) <= {"CPU", "CPU_Mapped"}  # never AMX here
+    assert 1 <= runtime["n_threads"] <= runtime["n_threads_max"]
+    assert runtime["n_threads_mode"] == "auto"
+    line = next(x for x in smollm_server.log().splitlines() if "smollm2 replica 0 ready" in x)
+    assert host.model in line and "weight_buffer_bytes CPU" in line and "repack " in line

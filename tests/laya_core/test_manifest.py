@@ -120,3 +120,20 @@ def test_backend_options_and_model_files_are_checked(tmp_path: Path) -> None:
         mf.resolve(mf.from_dict({"models": [model(path=str(tmp_path / "fake.gguf"))]}), registry)
     ok = mf.resolve(mf.from_dict({"models": [model(options={"n_threads": 1})]}), registry)
     assert ok.models[0].options == {"n_threads": 1}
+
+
+@pytest.mark.parametrize(("key", "value", "said"), [
+    ("n_threads", "lots", '"auto" or a whole number'), ("n_threads", 0, "from 1 to 1024"),
+    ("n_threads", True, '"auto" or a whole number'), ("repack", "yes", '"auto", true or false'),
+    ("use_mmap", 1, '"auto", true or false'), ("kv_unified", "auto", "true or false"),
+])
+def test_backend_option_values_are_checked(key: str, value: object, said: str) -> None:
+    with pytest.raises(mf.ManifestError) as info:
+        mf.resolve(mf.from_dict({"models": [model(options={key: value})]}), load_registry())
+    assert info.value.key == f"models[0].options.{key}" and said in info.value.message
+
+
+def test_auto_and_explicit_backend_option_values_pass() -> None:
+    options = {"n_threads": "auto", "repack": False, "use_mmap": "auto", "flash_attn": True}
+    ok = mf.resolve(mf.from_dict({"models": [model(options=options)]}), load_registry())
+    assert ok.models[0].options == options

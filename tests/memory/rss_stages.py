@@ -40,7 +40,9 @@ def main() -> None:
             chunk = tokens[start : min(start + step, config.max_seq_len)]
             backend.step([StepItem(slot, chunk, start, start + len(chunk) == config.max_seq_len)])
     stages["pool_full"] = rss().rss
-    print(json.dumps({"stages": stages, "plan": plan.to_json()}))
+    buffers = {k: f"{v / 2**20:.1f} MiB"
+               for k, v in backend.describe()["weight_buffer_bytes"].items()}
+    print(json.dumps({"stages": stages, "plan": plan.to_json(), "buffers": buffers}))
 
 
 if __name__ == "__main__":

@@ -9,48 +9,32 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from laya_backend_llamacpp import cpu, sampling
+from laya_backend_llamacpp.llama_log import LLAMA_LOG, weight_buffers
+from laya_backend_llamacpp.threads import ThreadGovernor
 from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem
 from laya_core.memory_plan import MemoryProfile, Overhead, kv_bytes_per_token
-from laya_core.model_files import ModelShape
+from laya_core.model_files import ModelShape, read_shape
 from laya_core.types import Sample, SamplingParams
 
-from laya_backend_llamacpp import sampling
-
-_GGML_LOG_LEVEL_ERROR = 4
 _FLASH_ATTN = {"auto": -1, False: 0, True: 1}  # llama_flash_attn_type
-_PIECE_BUF = 256
+_LOAD_MODE = {True: 1, False: 0}  # use_mmap -> llama_load_mode: MMAP, NONE
+_PIECE_BUF = 256  # bytes; the longest token piece of common vocabularies is far shorter
 _KV_CELL_ALIGN = 256  # llama.cpp pads each KV stream to this many cells
 _VOCAB_BYTES_PER_TOKEN = 512
-_GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}  # enum ggml_type  # bytes; the longest token piece of common vocabularies is far shorter
+_GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}  # enum ggml_type
 
 
 def _llama() -> Any:
     import llama_cpp
 
     return llama_cpp
-
-
-_log_callback: Any = None  # kept alive: llama.cpp holds a raw pointer to it
-
-
-def _silence_llama_logs(ll: Any) -> None:
-    """llama.cpp logs every tensor at load; keep errors, drop the rest."""
-    global _log_callback
-    if _log_callback is not None:
-        return
-
-    @ll.llama_log_callback
-    def callback(level: int, text: bytes, user_data: Any) -> None:
-        if level == _GGML_LOG_LEVEL_ERROR:
-            os.write(2, text)
-
-    _log_callback = callback
-    ll.llama_log_set(callback, ctypes.c_void_p(0))
 
 
 def kv_layout(config: ModelConfig, n_ctx: int, num_seqs: int) -> tuple[bool, int]:
@@ -71,29 +55,32 @@ def kv_layout(config: ModelConfig, n_ctx: int, num_seqs: int) -> tuple[bool, int
     return bool(unified), per_stream * streams
 
 
-def default_threads() -> int:
-    """All usable cores but one, which stays free for the HTTP loop and detokenizing.
-
-    llama.cpp's worker threads meet at a spinning barrier after every op; when another busy
-    process takes one of their cores, a thread that is switched out stalls all the others.
-    Measured on 2 cores with one other busy process: 1 thread decoded 4 sequences at
-    107 tokens/s, 2 threads at 1.3 tokens/s.
-    """
-    return max(1, len(os.sched_getaffinity(0)) - 1)
-
-
 class LlamaCppBackend(Backend):
     """llama.cpp through llama-cpp-python's low-level C API.
 
-    Options (``[models.options]``): ``n_threads`` (default: all cores but one), ``use_mmap`` (true),
-    ``kv_unified`` (default: a KV stream per slot when the pool allows, see ``kv_layout``),
-    ``flash_attn`` (``"auto"``, true or false; default ``"auto"``).
+    Options (``[models.options]``, spec/manifest.md): ``n_threads`` (``"auto"``: every
+    physical core, fewer while other work holds them, see ``threads.py``; or a number),
+    ``repack`` and ``use_mmap`` (``"auto"``, true or false; see ``cpu.choose_repack`` and
+    ``cpu.choose_mmap``), ``kv_unified`` (default: a KV stream per slot when the pool
+    allows, see ``kv_layout``), ``flash_attn`` (``"auto"``, true or false; default "auto").
     """
 
     name = "llamacpp"
     kv_cache_dtypes = ("f16", "f32", "bf16", "q8_0", "q4_0")
     supports_prefix_sharing = True
-    option_names = frozenset({"n_threads", "use_mmap", "flash_attn", "kv_unified"})
+    option_names = frozenset({"n_threads", "repack", "use_mmap", "flash_attn", "kv_unified"})
+
+    @classmethod
+    def check_option(cls, name: str, value: object) -> str | None:
+        if name == "n_threads":
+            ok = value == "auto" or (type(value) is int and 1 <= value <= 1024)
+            return None if ok else f'must be "auto" or a whole number from 1 to 1024, not {value!r}'
+        if name in ("repack", "flash_attn", "use_mmap"):
+            ok = value == "auto" or isinstance(value, bool)
+            return None if ok else f'must be "auto", true or false, not {value!r}'
+        if not isinstance(value, bool):
+            return f"must be true or false, not {value!r}"
+        return None
 
     @classmethod
     def check_model_path(cls, path: str) -> str | None:
@@ -142,16 +129,33 @@ class LlamaCppBackend(Backend):
     _model: Any = None
     _ctx: Any = None
     _batch: Any = None
+    _governor: ThreadGovernor | None = None
 
     def load_weights(self) -> ModelInfo:
         ll = self._ll = _llama()
-        _silence_llama_logs(ll)
+        LLAMA_LOG.install(ll)
         ll.llama_backend_init()
+        host = cpu.read_cpuinfo()
+        features = cpu.build_features(ll.llama_print_system_info().decode("utf-8", "replace"))
+        self._repack = cpu.choose_repack(self.config.options.get("repack", "auto"), host,
+                                         features)
+        use_mmap = cpu.choose_mmap(
+            self.config.options.get("use_mmap", "auto"), self._repack.enabled,
+            read_shape(self.config.path).matrix_types, cpu.repacked_types(host, features))
         params = ll.llama_model_default_params()
-        params.use_mmap = bool(self.config.options.get("use_mmap", True))
-        self._model = ll.llama_model_load_from_file(self.config.path.encode(), params)
+        params.load_mode = _LOAD_MODE[use_mmap]
+        params.use_extra_bufts = self._repack.enabled
+        with LLAMA_LOG.capture() as lines:
+            self._model = ll.llama_model_load_from_file(self.config.path.encode(), params)
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load {self.config.path}")
+        self._runtime: dict[str, Any] = {
+            "cpu": host.model, "cpu_flags": host.notable_flags,
+            "llama_cpp_features": sorted(features),
+            "repack": self._repack.enabled, "repack_reason": self._repack.reason,
+            "use_mmap": use_mmap,
+            "weight_buffer_bytes": weight_buffers(lines),
+        }
         vocab = self._vocab = ll.llama_model_get_vocab(self._model)
         n_vocab = self._n_vocab = ll.llama_vocab_n_tokens(vocab)
         self._pieces: dict[int, bytes] = {}
@@ -177,8 +181,10 @@ class LlamaCppBackend(Backend):
         # One step feeds at most max_step_tokens tokens; a larger batch would only waste the
         # compute buffer, whose size grows with n_ubatch.
         params.n_batch = params.n_ubatch = self.config.max_step_tokens
-        threads = int(self.config.options.get("n_threads", default_threads()))
-        params.n_threads = params.n_threads_batch = threads
+        threads = self.config.options.get("n_threads", "auto")
+        self._governor = ThreadGovernor(cpu.physical_cores()) if threads == "auto" else None
+        params.n_threads = params.n_threads_batch = \
+            self._governor.threads if self._governor else int(threads)
         self._unified, _ = kv_layout(self.config, n_ctx, max_num_seqs)
         # With a stream per slot, each run of consecutive slots is its own forward pass.
         self.supports_moving = not self._unified
@@ -193,6 +199,16 @@ class LlamaCppBackend(Backend):
         self._batch = ll.llama_batch_init(self.config.max_step_tokens, 0, 1)
         self._samplers: dict[int, Any] = {}
         self._params: dict[int, SamplingParams] = {}
+
+    def describe(self) -> dict[str, Any]:
+        runtime = dict(getattr(self, "_runtime", {}))
+        if self._ctx:
+            runtime["n_threads"] = self._ll.llama_n_threads(self._ctx)
+            runtime["n_threads_mode"] = "auto" if self._governor else "fixed"
+            if self._governor:
+                runtime["n_threads_max"] = self._governor.max_threads
+                runtime["n_threads_drops"] = self._governor.num_drops
+        return runtime
 
     def _special_text(self, token: int) -> str:
         if token < 0:
@@ -227,7 +243,7 @@ class LlamaCppBackend(Backend):
         self._params[slot] = params
 
     def step(self, items: Sequence[StepItem]) -> list[Sample | None]:
-        ll, batch = self._ll, self._batch
+        batch = self._batch
         # With a KV stream per slot, llama.cpp splits a batch into runs of consecutive
         # sequence ids, one forward pass each: feed the slots in order so that each run of
         # neighbouring slots is one pass.
@@ -247,11 +263,21 @@ class LlamaCppBackend(Backend):
                 batch.logits[n - 1] = True
                 rows[i] = n - 1
         batch.n_tokens = n
-        rc = ll.llama_decode(self._ctx, batch)
+        rc = self._decode(batch)
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc} for a batch of {n} tokens")
         return [None if row is None else self._sample(item.slot, row)
                 for item, row in zip(items, rows, strict=True)]
+
+    def _decode(self, batch: Any) -> int:
+        if self._governor is None:
+            return int(self._ll.llama_decode(self._ctx, batch))
+        wall, busy = time.perf_counter(), time.thread_time()
+        rc = int(self._ll.llama_decode(self._ctx, batch))
+        changed = self._governor.record(time.perf_counter() - wall, time.thread_time() - busy)
+        if changed is not None:
+            self._ll.llama_set_n_threads(self._ctx, changed, changed)
+        return rc
 
     def _sample(self, slot: int, row: int) -> Sample:
         sampler, top = self._samplers[slot], self._params[slot].logprobs

@@ -1,8 +1,7 @@
 """Registers the llama.cpp backend as ``llamacpp``."""
 
-from laya_core.hookspecs import Register, hookimpl
-
 from laya_backend_llamacpp.backend import LlamaCppBackend
+from laya_core.hookspecs import Register, hookimpl
 
 
 @hookimpl

@@ -1,0 +1,138 @@
+"""What the CPU and the llama.cpp build offer, and the choices that follow from it.
+
+Pure functions of ``/proc/cpuinfo``, the CPU topology in ``/sys`` and the build's
+``llama_print_system_info()`` text, so that each decision can be tested with any CPU's facts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import attrs
+
+# CPU flags worth naming in the start-up log and /ready, in this order (x86 names in
+# /proc/cpuinfo; other architectures simply show fewer).
+NOTABLE_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8",
+                 "amx_bf16", "neon", "sve")
+
+
+@attrs.frozen
+class CpuInfo:
+    model: str
+    flags: frozenset[str]
+
+    @property
+    def notable_flags(self) -> list[str]:
+        return [f for f in NOTABLE_FLAGS if f in self.flags]
+
+
+def read_cpuinfo(text: str | None = None) -> CpuInfo:
+    """The first processor's model name and flags (all cores of one machine agree)."""
+    if text is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            text = ""
+    model, flags = "", frozenset[str]()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("model name", "Model") and not model:
+            model = value.strip()
+        elif key in ("flags", "Features") and not flags:
+            flags = frozenset(value.split())
+    return CpuInfo(model or "unknown CPU", flags)
+
+
+def build_features(system_info: str) -> frozenset[str]:
+    """The features a llama.cpp build was compiled with: ``AVX2 = 1 | AMX_INT8 = 1 | ...``."""
+    return frozenset(m.group(1) for m in re.finditer(r"(\w+) = 1\b", system_info))
+
+
+def physical_cores(cpus: Iterable[int] | None = None, sysfs: Path = Path("/sys")) -> int:
+    """Cores (not hyper-threads) among the CPUs this process may run on.
+
+    Two hyper-threads of one core share its execution units, and llama.cpp's threads wait
+    for each other after every operation, so a second thread per core only adds waiting.
+    Falls back to the number of CPUs where the topology cannot be read.
+    """
+    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    cores = set()
+    for cpu in cpus:
+        topology = sysfs / f"devices/system/cpu/cpu{cpu}/topology"
+        try:
+            package = (topology / "physical_package_id").read_text().strip()
+            core = (topology / "core_id").read_text().strip()
+        except OSError:
+            return max(1, len(cpus))
+        cores.add((package, core))
+    return max(1, len(cores))
+
+
+# Weight types that ggml-cpu's extra buffers move into their own layout (repack.cpp's
+# choice of interleaved kernels, by instruction set; the AMX buffer's qtype_has_amx_kernels).
+_REPACKED_AVX2 = frozenset({"q4_0", "q4_k", "iq4_nl", "mxfp4"})
+_REPACKED_AVX512 = frozenset({"q2_k"})
+_REPACKED_NEON = frozenset({"q4_0", "q4_k", "q5_k", "q6_k", "iq4_nl", "mxfp4", "q8_0"})
+_REPACKED_AMX = frozenset({"q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs"})
+
+
+def repacked_types(cpu: CpuInfo, features: frozenset[str]) -> frozenset[str]:
+    """The weight types llama.cpp would copy into an extra buffer on this CPU and build."""
+    types: set[str] = set()
+    if "avx2" in cpu.flags:
+        types |= _REPACKED_AVX2
+    if "avx512f" in cpu.flags:
+        types |= _REPACKED_AVX512
+    if "asimd" in cpu.flags or "neon" in cpu.flags:
+        types |= _REPACKED_NEON
+    if "amx_int8" in cpu.flags and "AMX_INT8" in features:
+        types |= _REPACKED_AMX
+    return frozenset(types)
+
+
+def choose_mmap(option: object, repack: bool, matrix_types: frozenset[str],
+                repacked: frozenset[str]) -> bool:
+    """Whether to map the model file rather than read it.
+
+    Mapping shares the file's pages with the page cache and other processes. But a weight
+    that llama.cpp repacks is copied out of the mapping, and the mapped pages it was read
+    from stay resident too: a Q4_0 copy of SmolLM2-135M grew RSS by 161 MiB mapped against
+    105 MiB read (AMD EPYC), 57 MiB of weights held twice. So "auto" reads the file when
+    some of its weight types get repacked, and maps it otherwise.
+    """
+    if isinstance(option, bool):
+        return option
+    return not (repack and matrix_types & repacked)
+
+
+@attrs.frozen
+class RepackChoice:
+    enabled: bool
+    reason: str
+
+
+def choose_repack(option: object, cpu: CpuInfo, features: frozenset[str]) -> RepackChoice:
+    """Whether llama.cpp may move weights into its extra buffer types (``use_extra_bufts``).
+
+    The extra buffer types repack weights at load for faster kernels: CPU_REPACK
+    (Q4_0, Q8_0, IQ4_NL and K-quants, interleaved for AVX2/AVX-512/NEON) and, in a build
+    compiled on a CPU with AMX, the AMX buffer (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K,
+    IQ4_XS). The AMX buffer's matrix multiply segfaults in the first ``llama_decode``
+    (seen with llama-cpp-python 0.3.36 on a Sapphire Rapids Xeon, in llama-server too;
+    upstream's report was closed without a fix), and llama.cpp switches all extra buffer
+    types together. So "auto" keeps them where the AMX buffer cannot be chosen and turns them
+    off where it could.
+    """
+    if option is True or option is False:
+        return RepackChoice(option, f"repack = {str(option).lower()} in [models.options]")
+    amx_cpu = "amx_int8" in cpu.flags
+    amx_build = "AMX_INT8" in features
+    if amx_cpu and amx_build:
+        return RepackChoice(False, "auto: this CPU has AMX and llama.cpp was built with it; "
+                                   "its AMX weight buffer crashes, so weights stay unpacked")
+    return RepackChoice(True, "auto: no AMX weight buffer in this build or CPU; "
+                              "llama.cpp repacks the types its CPU kernels interleave")
