@@ -8,6 +8,7 @@ for logits. ``llama_cpp`` is imported in ``load_weights``, never at import time.
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -18,6 +19,8 @@ import numpy as np
 from laya_backend_llamacpp import cpu, sampling
 from laya_backend_llamacpp.llama_log import LLAMA_LOG, weight_buffers
 from laya_backend_llamacpp.threads import ThreadGovernor
+
+log = logging.getLogger(__name__)
 from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem
 from laya_core.memory_plan import MemoryProfile, Overhead, kv_bytes_per_token
 from laya_core.model_files import ModelShape, read_shape
@@ -130,6 +133,7 @@ class LlamaCppBackend(Backend):
     _ctx: Any = None
     _batch: Any = None
     _governor: ThreadGovernor | None = None
+    _fixed_threads: int | None = None
 
     def load_weights(self) -> ModelInfo:
         ll = self._ll = _llama()
@@ -182,9 +186,12 @@ class LlamaCppBackend(Backend):
         # compute buffer, whose size grows with n_ubatch.
         params.n_batch = params.n_ubatch = self.config.max_step_tokens
         threads = self.config.options.get("n_threads", "auto")
-        self._governor = ThreadGovernor(cpu.physical_cores()) if threads == "auto" else None
-        params.n_threads = params.n_threads_batch = \
-            self._governor.threads if self._governor else int(threads)
+        if threads == "auto":
+            self._governor = ThreadGovernor(cpu.physical_cores())
+            threads = self._governor.threads
+        else:
+            self._fixed_threads = int(threads)
+        params.n_threads = params.n_threads_batch = int(threads)
         self._unified, _ = kv_layout(self.config, n_ctx, max_num_seqs)
         # With a stream per slot, each run of consecutive slots is its own forward pass.
         self.supports_moving = not self._unified
@@ -201,13 +208,15 @@ class LlamaCppBackend(Backend):
         self._params: dict[int, SamplingParams] = {}
 
     def describe(self) -> dict[str, Any]:
+        # Python state only: this runs on other threads, even while the context is freed.
         runtime = dict(getattr(self, "_runtime", {}))
-        if self._ctx:
-            runtime["n_threads"] = self._ll.llama_n_threads(self._ctx)
-            runtime["n_threads_mode"] = "auto" if self._governor else "fixed"
-            if self._governor:
-                runtime["n_threads_max"] = self._governor.max_threads
-                runtime["n_threads_drops"] = self._governor.num_drops
+        governor = self._governor
+        if governor is not None:
+            runtime.update(n_threads=governor.threads, n_threads_mode="auto",
+                           n_threads_max=governor.max_threads,
+                           n_threads_drops=governor.num_drops)
+        elif self._fixed_threads is not None:
+            runtime.update(n_threads=self._fixed_threads, n_threads_mode="fixed")
         return runtime
 
     def _special_text(self, token: int) -> str:
@@ -277,6 +286,9 @@ class LlamaCppBackend(Backend):
         changed = self._governor.record(time.perf_counter() - wall, time.thread_time() - busy)
         if changed is not None:
             self._ll.llama_set_n_threads(self._ctx, changed, changed)
+            log.info("%s: %d of %d compute threads (decodes had their thread on a CPU %.0f%% "
+                     "of the time)", self.config.name, changed, self._governor.max_threads,
+                     100 * (self._governor.last_share or 0))
         return rc
 
     def _sample(self, slot: int, row: int) -> Sample:

@@ -48,6 +48,7 @@ class ThreadGovernor:
         self._wall = 0.0
         self._cpu = 0.0
         self.num_drops = 0  # how often contention took a thread away, for /ready
+        self.last_share: float | None = None  # of the last full window
 
     def record(self, wall_s: float, cpu_s: float) -> int | None:
         """Account one decode (its wall time and the calling thread's CPU time, seconds);
@@ -56,7 +57,7 @@ class ThreadGovernor:
         self._cpu += cpu_s
         if self._wall < self.window_s:
             return None
-        share = self._cpu / self._wall
+        share = self.last_share = self._cpu / self._wall
         self._wall = self._cpu = 0.0
         before = self.threads
         if self._probing:

@@ -1,0 +1,47 @@
+"""tools/benchmark_rounds.py: alternating fresh servers, medians and per-round ratios."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "benchmark_rounds.py"
+spec = importlib.util.spec_from_file_location("benchmark_rounds", TOOL)
+assert spec and spec.loader
+rounds = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(rounds)
+
+
+def level(tokens_per_s: float, ttft: float) -> dict:
+    return {"output_tokens_per_s": tokens_per_s, "ttft_ms": {"p50": ttft}, "failed": 0}
+
+
+def test_ratios_pair_each_round_with_the_baselines_same_round() -> None:
+    runs = [{"round": 1, "server": "a", "levels": {8: level(100.0, 50)}},
+            {"round": 1, "server": "b", "levels": {8: level(120.0, 40)}},
+            {"round": 2, "server": "a", "levels": {8: level(80.0, 70)}},
+            {"round": 2, "server": "b", "levels": {8: level(88.0, 60)}},
+            {"round": 3, "server": "a", "levels": {8: level(90.0, 60)}},
+            {"round": 3, "server": "b", "levels": {8: level(99.0, 50)}}]
+    b = rounds.summarize(runs, "a")["b"]["8"]
+    assert b["ratio_to_a"] == [1.2, 1.1, 1.1]  # not 99/90 against a's median
+    assert b["median_ratio_to_a"] == 1.1 and b["median_tokens_per_s"] == 99.0
+    assert b["median_ttft_p50_ms"] == 50
+
+
+def test_two_laya_configurations_in_one_round(tmp_path: Path) -> None:
+    out = tmp_path / "rounds.json"
+    run = subprocess.run(
+        [sys.executable, str(TOOL), "--laya", "defaults", "--laya", 'one:{"n_threads": 1}',
+         "--rounds", "1", "--concurrency", "1", "--requests", "2", "--max-tokens", "8",
+         "--out", str(out)], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["server"] for r in result["rounds"]] == ["defaults", "one"]
+    one = result["summary"]["one"]["1"]
+    assert one["failed"] == 0 and one["median_tokens_per_s"] > 0
+    assert len(one["ratio_to_defaults"]) == 1
+    assert "ratio to defaults" in run.stdout

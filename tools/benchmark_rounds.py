@@ -1,0 +1,212 @@
+"""Alternating rounds of the serving benchmark against several servers, each started fresh.
+
+    python tools/benchmark_rounds.py --rounds 3 --concurrency 1,8 \\
+        --laya defaults --laya 'two-threads:{"n_threads": 2}' \\
+        --llama-server /path/to/llama-server --busy 0
+
+These machines drift 10-15% from minute to minute, so a ratio between two servers is only
+worth something when both ran in the same minutes: each round starts every server in turn
+(a fresh process, alone on the machine), runs ``benchmark_serving.py`` against it, and stops
+it. ``--busy N`` keeps N CPU-bound processes running beside each measurement, the case in
+which llama.cpp's threads can collapse. The output is one line per run, then per server and
+level the median over the rounds of output tokens/s and TTFT p50, and each round's ratio to
+the baseline server (``--baseline``, default the first); ``--out`` writes it all as JSON.
+
+Laya serves the embedded model with ``max_seq_len = 1024`` and ``max_num_seqs = 16`` and the
+given ``[models.options]`` (none for plain defaults); llama-server serves the same file with
+``--llama-server-args`` (default ``--parallel 16 -c 16384``: the same 16 slots of 1024).
+It sends traffic only to servers it started on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+TOOLS = Path(__file__).parent
+LAYA_MANIFEST = """
+[server]
+host = "127.0.0.1"
+port = {port}
+
+[[models]]
+name = "smollm2"
+path = "embedded:smollm2-135m-instruct"
+max_seq_len = 1024
+max_num_seqs = 16
+[models.options]
+{options}
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _toml_value(value: Any) -> str:
+    return json.dumps(value)  # strings, numbers and booleans are spelt alike in TOML
+
+
+class Server:
+    """One server under test: how to start it and how to know it has loaded."""
+
+    def __init__(self, name: str, argv: list[str], ready_path: str, port: int) -> None:
+        self.name, self.argv, self.ready_path, self.port = name, argv, ready_path, port
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, log: Path, timeout_s: float = 120.0) -> subprocess.Popen[bytes]:
+        with log.open("wb") as out:
+            proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {proc.returncode}; see {log}")
+            try:
+                if httpx.get(self.url + self.ready_path, timeout=2).status_code == 200:
+                    return proc
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        proc.kill()
+        raise RuntimeError(f"{self.name} not ready after {timeout_s:.0f} s; see {log}")
+
+
+def laya_server(spec: str, workdir: Path) -> Server:
+    name, _, options = spec.partition(":")
+    table = json.loads(options) if options else {}
+    port = _free_port()
+    manifest = workdir / f"{name}.toml"
+    manifest.write_text(LAYA_MANIFEST.format(port=port, options="\n".join(
+        f"{k} = {_toml_value(v)}" for k, v in table.items())))
+    argv = [sys.executable, "-m", "laya_core.cli", "serve", str(manifest)]
+    return Server(name, argv, "/ready", port)
+
+
+def llama_server(binary: str, model: str, extra: str) -> Server:
+    port = _free_port()
+    argv = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), *shlex.split(extra)]
+    return Server("llama-server", argv, "/health", port)
+
+
+def embedded_model() -> str:
+    from laya_core.builtin.model_paths import embedded_file
+
+    return embedded_file("smollm2-135m-instruct")
+
+
+def measure(server: Server, args: argparse.Namespace, log: Path) -> dict[int, dict[str, Any]]:
+    """Start the server, keep ``--busy`` spinners beside it, run the benchmark, stop both."""
+    proc = server.start(log)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(args.busy)]
+    try:
+        run = subprocess.run(
+            [sys.executable, str(TOOLS / "benchmark_serving.py"), "--url", server.url,
+             "--concurrency", args.concurrency, "--requests", str(args.requests),
+             "--max-tokens", str(args.max_tokens)],
+            capture_output=True, text=True, timeout=args.timeout_s, check=True)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    return {lv["concurrency"]: lv for lv in summary["levels"]}
+
+
+def summarize(runs: list[dict[str, Any]], baseline: str) -> dict[str, Any]:
+    """Medians per server and level, and round-by-round ratios to the baseline."""
+    by: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for run in runs:
+        for level, lv in run["levels"].items():
+            by.setdefault((run["server"], int(level)), []).append({"round": run["round"], **lv})
+    out: dict[str, Any] = {}
+    for (server, level), levels in sorted(by.items()):
+        base = {lv["round"]: lv for lv in by.get((baseline, level), [])}
+        ratios = [round(lv["output_tokens_per_s"] / base[lv["round"]]["output_tokens_per_s"], 3)
+                  for lv in levels if lv["round"] in base
+                  and base[lv["round"]]["output_tokens_per_s"] > 0]
+        out.setdefault(server, {})[str(level)] = {
+            "tokens_per_s": [lv["output_tokens_per_s"] for lv in levels],
+            "median_tokens_per_s": statistics.median(lv["output_tokens_per_s"] for lv in levels),
+            "median_ttft_p50_ms": statistics.median(lv["ttft_ms"]["p50"] or 0 for lv in levels),
+            "failed": sum(lv["failed"] for lv in levels),
+            f"ratio_to_{baseline}": ratios,
+            f"median_ratio_to_{baseline}": statistics.median(ratios) if ratios else None,
+        }
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--laya", action="append", default=[], metavar="NAME[:OPTIONS_JSON]",
+                   help="a Laya server with these [models.options]; repeat to compare several")
+    p.add_argument("--llama-server", metavar="PATH", help="llama.cpp's server binary")
+    p.add_argument("--llama-server-args", default="--parallel 16 -c 16384")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--concurrency", default="1,8", help="levels, as for benchmark_serving.py")
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--busy", type=int, default=0, help="CPU-bound processes beside each run")
+    p.add_argument("--baseline", help="the server the ratios are to (default: the first)")
+    p.add_argument("--timeout-s", type=float, default=900.0, help="per benchmark run")
+    p.add_argument("--out", type=Path, help="write the runs and the summary as JSON here")
+    args = p.parse_args(argv)
+    if not args.laya and not args.llama_server:
+        p.error("name at least one server: --laya NAME or --llama-server PATH")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="laya-rounds-"))
+    servers = [laya_server(spec, workdir) for spec in args.laya]
+    if args.llama_server:
+        servers.append(llama_server(args.llama_server, embedded_model(), args.llama_server_args))
+    baseline = args.baseline or servers[0].name
+    runs = []
+    for round_no in range(1, args.rounds + 1):
+        for server in servers:
+            levels = measure(server, args, workdir / f"{server.name}-{round_no}.log")
+            runs.append({"round": round_no, "server": server.name, "levels": levels})
+            print(f"round {round_no} {server.name:>16}: " + "  ".join(
+                f"c={c} {lv['output_tokens_per_s']:7.1f} tok/s TTFT p50 {lv['ttft_ms']['p50']:.0f} ms"
+                for c, lv in levels.items()), flush=True)
+    summary = summarize(runs, baseline)
+    for server, levels in summary.items():
+        for level, s in levels.items():
+            ratio = s[f"median_ratio_to_{baseline}"]
+            print(f"{server:>16} c={level}: median {s['median_tokens_per_s']:.1f} tok/s, TTFT p50 "
+                  f"{s['median_ttft_p50_ms']:.0f} ms, ratio to {baseline} "
+                  f"{'-' if ratio is None else f'{ratio:.2f}'} (rounds {s[f'ratio_to_{baseline}']})")
+    result = {"busy": args.busy, "rounds": runs, "summary": summary}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({"baseline": baseline, "summary": summary}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
