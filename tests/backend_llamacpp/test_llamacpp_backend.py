@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 import llama_cpp
 import pytest
@@ -51,29 +53,44 @@ def test_model_info(engine: Engine) -> None:
     assert engine.max_seq_len == 512
 
 
-def reference_llama(path: str, repack: bool, monkeypatch: pytest.MonkeyPatch) -> llama_cpp.Llama:
-    """llama-cpp-python's own ``Llama``, with the backend's choice of weight buffers: its
-    constructor has no such argument, and on an AMX CPU its default segfaults."""
+def reference_completion(path: str, runtime: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+                         **request: Any) -> dict[str, Any]:
+    """llama-cpp-python's own ``Llama`` completing ``request`` the way the backend runs: the
+    same weight buffers (its constructor has no such argument, and on an AMX CPU its default
+    segfaults) and the same thread count (llama.cpp's flash attention splits its work by
+    thread). It runs on a thread of its own, as an engine does: the OpenMP team a thread's
+    decodes start lives as long as that thread, and one left on pytest's main thread would
+    slow every later engine of the session."""
     defaults = llama_cpp.llama_cpp.llama_model_default_params
 
     def params() -> llama_cpp.llama_model_params:
         p = defaults()
-        p.use_extra_bufts = repack
+        p.use_extra_bufts = runtime["repack"]
         return p
 
+    def complete() -> None:
+        threads = runtime["n_threads"]
+        reference = llama_cpp.Llama(path, n_ctx=512, n_threads=threads, n_threads_batch=threads,
+                                    verbose=False)
+        try:
+            out.append(reference.create_completion(**request))
+        finally:
+            reference.close()
+
     monkeypatch.setattr(llama_cpp.llama_cpp, "llama_model_default_params", params)
-    return llama_cpp.Llama(path, n_ctx=512, n_threads=1, verbose=False)
+    out: list[Any] = []
+    worker = threading.Thread(target=complete)
+    worker.start()
+    worker.join()
+    assert out, "the reference completion failed; see the thread's traceback above"
+    return out[0]
 
 
 def test_greedy_equals_llama_cpp_pythons_own_completion(
         engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     text, tokens, _ = generate(engine, PROMPT, max_tokens=24, temperature=0.0, ignore_eos=True)
-    reference = reference_llama(engine.config.path, engine.backend.describe()["repack"],
-                                monkeypatch)
-    try:
-        expected = reference.create_completion(PROMPT, max_tokens=24, temperature=0.0)
-    finally:
-        reference.close()
+    expected = reference_completion(engine.config.path, engine.backend.describe(), monkeypatch,
+                                    prompt=PROMPT, max_tokens=24, temperature=0.0)
     assert text == expected["choices"][0]["text"]  # type: ignore[index]
     assert len(tokens) == 24
 

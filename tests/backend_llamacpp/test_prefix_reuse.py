@@ -17,13 +17,19 @@ from laya_core.types import SamplingParams
 SYSTEM = ("You are a patient tutor. " + "Explain every answer step by step, use short "
           "sentences, and check the student's understanding before moving on. " * 12)
 QUESTIONS = ["What is a prime number?", "Is 21 a prime number?", "And 23?"]
+# The runs compared here must compute alike: a fixed thread count, since llama.cpp's flash
+# attention splits its work by thread ("auto" may change the count under load). Where a test
+# drives the backend on pytest's main thread, one thread, so that no OpenMP team outlives it
+# (see test_llamacpp_backend.reference_completion).
+THREADS = 2
 
 
 def engine(prefix_caching: bool) -> tuple[Deployment, Engine]:
     registry = load_registry()
     manifest = mf.resolve(mf.from_dict({"models": [{
         "name": "smollm2", "path": "embedded:smollm2-135m-instruct", "max_seq_len": 2048,
-        "max_num_seqs": 2, "prefix_caching": prefix_caching}]}), registry)
+        "max_num_seqs": 2, "prefix_caching": prefix_caching,
+        "options": {"n_threads": THREADS}}]}), registry)
     d = Deployment(manifest, registry)
     d.start()
     assert d.wait_ready(60)
@@ -88,7 +94,8 @@ def test_a_running_sequence_lends_its_prefix(kv_unified: bool) -> None:
     registry = load_registry()
     manifest = mf.resolve(mf.from_dict({"models": [{
         "name": "smollm2", "path": "embedded:smollm2-135m-instruct", "max_seq_len": 1024,
-        "max_num_seqs": 2, "options": {"kv_unified": kv_unified}}]}), registry)
+        "max_num_seqs": 2, "options": {"kv_unified": kv_unified, "n_threads": THREADS}}]}),
+        registry)
     d = Deployment(manifest, registry)
     d.start()
     assert d.wait_ready(60)
@@ -128,7 +135,8 @@ def test_moved_kv_continues_exactly_as_before(kv_unified: bool) -> None:
     from laya_backend_llamacpp.backend import LlamaCppBackend
 
     config = ModelConfig(name="m", backend="llamacpp", path=embedded_file("smollm2-135m-instruct"),
-                         max_seq_len=512, max_num_seqs=4, options={"kv_unified": kv_unified})
+                         max_seq_len=512, max_num_seqs=4,
+                         options={"kv_unified": kv_unified, "n_threads": 1})
     b = LlamaCppBackend(config)
     b.load_weights()
     b.allocate_cache(n_ctx=2048, max_num_seqs=4)
@@ -166,7 +174,7 @@ def test_a_running_sequence_moved_to_another_slot_continues_exactly() -> None:
     from laya_backend_llamacpp.backend import LlamaCppBackend
 
     config = ModelConfig(name="m", backend="llamacpp", path=embedded_file("smollm2-135m-instruct"),
-                         max_seq_len=512, max_num_seqs=4)
+                         max_seq_len=512, max_num_seqs=4, options={"n_threads": 1})
     b = LlamaCppBackend(config)
     b.load_weights()
     b.allocate_cache(n_ctx=2048, max_num_seqs=4)

@@ -14,9 +14,15 @@ So the default uses every core and watches for that case. The signal is the shar
 decode's wall time that the calling thread spent on a CPU (``time.thread_time``): it is
 OpenMP's thread 0 and computes alongside the others, so alone the share is 1.00 (the
 threads spin at the barrier rather than sleep), beside a busy process 0.71, beside another
-2-thread process 0.49. A window whose share falls below ``min_share`` drops one thread; a
-dropped thread is offered back after ``probe_after_s`` and kept if the share stays high,
-else the next offer waits twice as long. Polling or priority settings of ggml's own thread
+2-thread process 0.49. Three windows in a row whose share falls below ``min_share`` drop one
+thread (a busy neighbour stays; a moment's noise does not); a dropped thread is offered back
+after ``probe_after_s`` and kept if the share stays high, else the next offer waits twice as
+long.
+
+A change of thread count can change a greedy output in its last bits: llama.cpp's CPU flash
+attention splits the KV range among the threads (measured: 1 and 2 threads agreed for 66
+tokens, then diverged), so ``n_threads`` set to a number is the way to outputs that never
+depend on the machine's load. Polling or priority settings of ggml's own thread
 pool do not help here: the OpenMP build (llama-cpp-python's default) waits in OpenMP's
 barrier, and raising priority needs real-time scheduling and privileges.
 """
@@ -31,7 +37,7 @@ class ThreadGovernor:
     """Chooses the thread count of the next decode from how well the last ones ran."""
 
     def __init__(self, max_threads: int, *, window_s: float = 0.2, min_share: float = 0.85,
-                 probe_after_s: float = 4.0, max_probe_after_s: float = 64.0,
+                 patience: int = 3, probe_after_s: float = 4.0, max_probe_after_s: float = 64.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if max_threads < 1:
             raise ValueError("max_threads must be at least 1")
@@ -39,6 +45,8 @@ class ThreadGovernor:
         self.threads = max_threads
         self.window_s = window_s
         self.min_share = min_share
+        self.patience = patience  # low windows in a row before a thread goes
+        self._low_windows = 0
         self._base_probe_s = probe_after_s
         self._max_probe_s = max_probe_after_s
         self._probe_after_s = probe_after_s
@@ -60,9 +68,10 @@ class ThreadGovernor:
         share = self.last_share = self._cpu / self._wall
         self._wall = self._cpu = 0.0
         before = self.threads
+        self._low_windows = self._low_windows + 1 if share < self.min_share else 0
         if self._probing:
             self._end_probe(kept=share >= self.min_share)
-        elif share < self.min_share and self.threads > 1:
+        elif self._low_windows >= self.patience and self.threads > 1:
             self._drop()
         elif self.threads < self.max_threads and self._clock() >= self._next_probe:
             self.threads += 1
@@ -70,6 +79,7 @@ class ThreadGovernor:
         return self.threads if self.threads != before else None
 
     def _drop(self) -> None:
+        self._low_windows = 0
         self.threads -= 1
         self.num_drops += 1
         self._next_probe = self._clock() + self._probe_after_s
