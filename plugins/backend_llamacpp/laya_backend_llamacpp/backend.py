@@ -15,16 +15,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem
+from laya_core.memory_plan import MemoryProfile, Overhead, kv_bytes_per_token
+from laya_core.model_files import ModelShape, read_shape
+from laya_core.types import Sample, SamplingParams
 
 from laya_backend_llamacpp import cpu, sampling
 from laya_backend_llamacpp.llama_log import LLAMA_LOG, weight_buffers
 from laya_backend_llamacpp.threads import ThreadGovernor
 
 log = logging.getLogger(__name__)
-from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem
-from laya_core.memory_plan import MemoryProfile, Overhead, kv_bytes_per_token
-from laya_core.model_files import ModelShape, read_shape
-from laya_core.types import Sample, SamplingParams
 
 _FLASH_ATTN = {"auto": -1, False: 0, True: 1}  # llama_flash_attn_type
 _LOAD_MODE = {True: 1, False: 0}  # use_mmap -> llama_load_mode: MMAP, NONE
