@@ -12,6 +12,7 @@ from pathlib import Path
 
 from laya_core import manifest as mf
 from laya_core import planner, systemd
+from laya_core.model_files import ModelFileError
 from laya_core.plugins import FAMILIES, PluginError, Registry, load_registry
 
 EXIT_DOES_NOT_FIT = 1
@@ -108,6 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args, registry))
     except mf.ManifestError as e:
         print(f"laya: manifest error: {e}", file=sys.stderr)
+        return EXIT_MANIFEST
+    except ModelFileError as e:  # read past the manifest's checks, as a backend loads
+        print(f"laya: model file error: {e}", file=sys.stderr)
         return EXIT_MANIFEST
 
 

@@ -6,7 +6,11 @@ prints it and exits with status 2.
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import re
+import socket
+import stat
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -14,7 +18,9 @@ from typing import Any
 
 import attrs
 
+from laya_core import budget
 from laya_core.backend import ModelConfig
+from laya_core.model_files import model_file_problem
 from laya_core.router import POLICIES
 
 if sys.version_info >= (3, 11):  # noqa: UP036 - tomli stays the fallback the brief names
@@ -24,11 +30,8 @@ else:  # pragma: no cover - Python 3.10 is not supported, kept for tools that re
 
 EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?\s*$")
-_UNITS = {
-    None: 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
-    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-}
+MAX_KEY_FILE_BYTES = 2**20
+_HOSTNAME_RE = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?$")
 
 
 class ManifestError(Exception):
@@ -47,6 +50,7 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()
     max_body_bytes: int = 4 * 2**20
     shutdown_timeout_s: float = 30.0  # in-flight requests may finish this long after SIGTERM
+    body_timeout_s: float = 30.0  # a request body must arrive whole within this long
 
 
 @attrs.frozen
@@ -68,17 +72,12 @@ class Manifest:
     source: str = "<default>"
 
 
-def parse_size(text: str | int, key: str) -> int:
-    """``"12GiB"``, ``"512 MiB"`` or a number of bytes, to bytes."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        value, unit = float(text), None
-    elif isinstance(text, str) and (m := _SIZE_RE.match(text)):
-        value, unit = float(m.group(1)), m.group(2)
-    else:
-        raise ManifestError(key, f'expected a size such as "12GiB" or "512MiB", got {text!r}')
-    if value <= 0:
-        raise ManifestError(key, f"a size must be positive, got {text!r}")
-    return int(value * _UNITS[unit])
+def parse_size(text: str | int, key: str, minimum: int = 1) -> int:
+    """A size in whole bytes (:func:`laya_core.budget.parse_size`); errors name ``key``."""
+    try:
+        return budget.parse_size(text, minimum)
+    except ValueError as e:
+        raise ManifestError(key, str(e)) from None
 
 
 class _Table:
@@ -124,36 +123,89 @@ def _non_empty(v: str) -> str | None:
     return None if v.strip() else "must not be empty"
 
 
-def _server(data: Any) -> ServerConfig:
-    t = _Table(data, "server")
-    host = t.get("host", str, "127.0.0.1", check=_non_empty)
-    port = t.int_in("port", 0, 65535, 8000)
+def _host_problem(host: str) -> str | None:
+    if re.fullmatch(r"[\d.]+", host) or ":" in host:
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            return f"{host!r} is not a valid IP address (give an address or a name, no port)"
+    elif len(host) > 253 or not _HOSTNAME_RE.match(host):
+        return f"{host!r} is neither an IP address nor a valid host name"
+    return None
+
+
+def _key_problem(key: object) -> str | None:
+    """The rule every API key follows, wherever it comes from."""
+    if not isinstance(key, str) or len(key) < 8:
+        return "an API key is a string of 8+ characters"
+    return None if key.isprintable() else "an API key may not hold control characters"
+
+
+def _read_key_file(name: str) -> list[str]:
+    """Keys one a line, stripped; blank lines and lines starting with # are skipped."""
+    path = Path(name).expanduser()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # opening a FIFO must not wait
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ManifestError("server.api_keys_file", f"{path} is not a regular file")
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                data = f.read(MAX_KEY_FILE_BYTES + 1)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise ManifestError("server.api_keys_file", f"cannot read {path}: {e.strerror}") from e
+    if len(data) > MAX_KEY_FILE_BYTES:
+        raise ManifestError("server.api_keys_file", f"{path} is larger than 1 MiB")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ManifestError("server.api_keys_file",
+                            f"{path} is not UTF-8 text (byte {e.start} is invalid); it must "
+                            "hold one key a line") from None
+    keys = [(n, line.strip()) for n, line in enumerate(text.splitlines(), 1)]
+    keys = [(n, k) for n, k in keys if k and not k.startswith("#")]
+    for n, k in keys:
+        if problem := _key_problem(k):
+            raise ManifestError("server.api_keys_file", f"line {n} of {path}: {problem}")
+    return [k for _, k in keys]
+
+
+def _api_keys(t: _Table) -> list[str]:
     keys = list(t.get("api_keys", list, []))
     for i, k in enumerate(keys):
-        if not isinstance(k, str) or len(k) < 8:
-            raise ManifestError(f"server.api_keys[{i}]", "an API key is a string of 8+ characters")
+        if problem := _key_problem(k):
+            raise ManifestError(f"server.api_keys[{i}]", problem)
     env = t.get("api_keys_env", str)
     if env is not None:
-        import os
-
         value = os.environ.get(env)
         if not value:
             raise ManifestError("server.api_keys_env", f"environment variable {env} is not set")
-        keys += [k.strip() for k in value.split(",") if k.strip()]
+        env_keys = [k.strip() for k in value.split(",") if k.strip()]
+        for i, k in enumerate(env_keys):
+            if problem := _key_problem(k):
+                raise ManifestError("server.api_keys_env", f"key {i + 1} in {env}: {problem}")
+        keys += env_keys
     key_file = t.get("api_keys_file", str)
-    if key_file is not None:
-        try:
-            lines = Path(key_file).expanduser().read_text().splitlines()
-        except OSError as e:
-            raise ManifestError("server.api_keys_file", f"cannot read {key_file}: {e}") from e
-        keys += [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    return keys + (_read_key_file(key_file) if key_file is not None else [])
+
+
+def _server(data: Any) -> ServerConfig:
+    t = _Table(data, "server")
+    host = t.get("host", str, "127.0.0.1",
+                 check=lambda v: _non_empty(v) or _host_problem(v))
+    port = t.int_in("port", 0, 65535, 8000)
+    keys = _api_keys(t)
     body = t.get("max_body_bytes", (int, str), 4 * 2**20)
     shutdown = t.get("shutdown_timeout_s", (int, float), 30.0,
                      check=lambda v: None if 0 <= v <= 3600 else "must be 0 to 3600 seconds")
+    body_timeout = t.get("body_timeout_s", (int, float), 30.0,
+                         check=lambda v: None if 0.1 <= v <= 3600 else "must be 0.1 to 3600 seconds")
     t.finish(("host", "port", "api_keys", "api_keys_env", "api_keys_file", "max_body_bytes",
-              "shutdown_timeout_s"))
-    return ServerConfig(host, port, tuple(keys), parse_size(body, "server.max_body_bytes"),
-                        float(shutdown))
+              "shutdown_timeout_s", "body_timeout_s"))
+    return ServerConfig(host, port, tuple(keys),
+                        parse_size(body, "server.max_body_bytes", minimum=1024), float(shutdown),
+                        float(body_timeout))
 
 
 def _memory(data: Any) -> MemoryConfig:
@@ -162,7 +214,7 @@ def _memory(data: Any) -> MemoryConfig:
     t.finish(("budget",))
     if budget == "auto":
         return MemoryConfig(None)
-    return MemoryConfig(parse_size(budget, "memory.budget"))
+    return MemoryConfig(parse_size(budget, "memory.budget", minimum=2**20))
 
 
 def _router(data: Any) -> RouterConfig:
@@ -270,6 +322,8 @@ def resolve(manifest: Manifest, registry: Any, *, need_backends: bool = True) ->
     path resolved to a file. ``need_backends=False`` lets a plan be made for a backend that is
     not installed here.
     """
+    if need_backends:
+        _check_host_resolves(manifest.server.host)
     if manifest.router.impl is not None and manifest.router.impl not in registry.routers:
         known = ", ".join(sorted(registry.routers))
         raise ManifestError("router.impl",
@@ -296,12 +350,26 @@ def resolve(manifest: Manifest, registry: Any, *, need_backends: bool = True) ->
         except LookupError as e:
             raise ManifestError(f"models[{i}].path", str(e)) from e
         path = resolved or m.path
-        if not Path(path).exists():
-            raise ManifestError(f"models[{i}].path", f"no such file: {path}")
+        if problem := model_file_problem(path):
+            raise ManifestError(f"models[{i}].path", problem)
         if backend and need_backends:
             _check_backend_fit(backend.obj, m, path, i)
         models.append(attrs.evolve(m, path=path))
     return attrs.evolve(manifest, models=tuple(models))
+
+
+def _check_host_resolves(host: str) -> None:
+    """The host is an IP address or a name the local resolver knows (as serve will bind it)."""
+    problem = _host_problem(host)
+    numeric = socket.AI_NUMERICHOST if ":" in host or re.fullmatch(r"[\d.]+", host) else 0
+    try:
+        if not problem:
+            socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=numeric)
+    except (OSError, UnicodeError) as e:
+        problem = (f"{host!r} does not resolve on this machine ({getattr(e, 'strerror', e)}); "
+                   "give an IP address such as 127.0.0.1 or 0.0.0.0, or a known host name")
+    if problem:
+        raise ManifestError("server.host", problem)
 
 
 def _check_backend_fit(backend_cls: Any, m: ModelConfig, path: str, i: int) -> None:

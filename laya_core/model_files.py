@@ -10,13 +10,24 @@ needs, so the scan here reads only what it uses.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import struct
 from pathlib import Path
 from typing import Any
 
 import attrs
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf.constants import (
+    GGML_QUANT_SIZES,
+    GGUF_DEFAULT_ALIGNMENT,
+    GGMLQuantizationType,
+    GGUFValueType,
+)
+
+from laya_core.model_checks import ModelFileError, check_metadata, vocab_size
+
+__all__ = ["ModelFileError", "ModelShape", "model_file_problem", "read_gguf", "read_hf_folder",
+           "read_shape"]
 
 # Bytes of one element of a value type in GGUF metadata (strings and arrays are variable).
 _SCALAR = {
@@ -25,12 +36,13 @@ _SCALAR = {
     GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
     GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
 }
+# Fewest bytes one array item takes (a string: its 8-byte length), to bound a claimed count.
+_MIN_ITEM_BYTES = {t: struct.calcsize(f) for t, f in _SCALAR.items()} | {
+    GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}
+_KEEP_ITEMS = 4096  # longer arrays stand for their length: per-layer ones have <= 512 items
+_GGML_MAX_DIMS = 4
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1,
                 "F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I8": 1, "U8": 1, "I32": 4, "I64": 8}
-
-
-class ModelFileError(ValueError):
-    """The file is not a model Laya can read the shape of."""
 
 
 @attrs.frozen
@@ -59,89 +71,142 @@ class ModelShape:
 
 
 class _Cursor:
-    def __init__(self, buf: Any) -> None:
-        self.buf, self.pos = buf, 0
+    """Reads GGUF header fields, refusing any that would run past the end of the file."""
 
-    def unpack(self, fmt: str) -> Any:
+    def __init__(self, buf: Any) -> None:
+        self.buf, self.pos, self.size = buf, 0, len(buf)
+
+    def need(self, n: int, what: str) -> None:
+        if n > self.size - self.pos:
+            raise ModelFileError(
+                f"truncated or corrupt: at byte {self.pos}, {what} would take {n} bytes, but "
+                f"only {self.size - self.pos} remain (file size {self.size} bytes)")
+
+    def unpack(self, fmt: str, what: str = "a header field") -> Any:
+        n = struct.calcsize(fmt)
+        self.need(n, what)
         value = struct.unpack_from(fmt, self.buf, self.pos)[0]
-        self.pos += struct.calcsize(fmt)
+        self.pos += n
         return value
 
-    def string(self) -> str:
-        n = self.unpack("<Q")
+    def string(self, what: str = "a string") -> str:
+        n = self.unpack("<Q", f"the length of {what}")
+        self.need(n, what)
         self.pos += n
         return bytes(self.buf[self.pos - n : self.pos]).decode("utf-8", "replace")
 
-    def value(self, vtype: int, keep: bool) -> Any:
+    def value(self, vtype: int, keep: bool, key: str) -> Any:
         if vtype == GGUFValueType.STRING:
-            return self.string()
+            return self.string(f"the value of {key}")
         if vtype == GGUFValueType.ARRAY:
-            etype, count = self.unpack("<I"), self.unpack("<Q")
+            etype, count = self.unpack("<I"), self.unpack("<Q", f"the length of {key}")
+            if etype == GGUFValueType.ARRAY:  # llama.cpp reads no nested arrays either
+                raise ModelFileError(f"corrupt: {key} is an array of arrays")
+            self.need(count * _MIN_ITEM_BYTES.get(etype, 1), f"the {count} items of {key}")
+            keep = keep and count <= _KEEP_ITEMS
             if etype in _SCALAR and not keep:  # skip fixed-size arrays in one jump
                 self.pos += count * struct.calcsize(_SCALAR[etype])
                 return count
-            items = [self.value(etype, keep) for _ in range(count)]
+            items = [self.value(etype, keep, key) for _ in range(count)]
             return items if keep else count  # a skipped array stands for its length
-        return self.unpack(_SCALAR[GGUFValueType(vtype)])
+        if vtype not in _SCALAR:
+            raise ModelFileError(f"corrupt: {key} has unknown value type {vtype}")
+        return self.unpack(_SCALAR[GGUFValueType(vtype)], f"the value of {key}")
 
 
 def read_gguf(path: Path) -> ModelShape:
-    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != b"GGUF":
-            raise ModelFileError(f"{path} is not a GGUF file")
-        c = _Cursor(buf)
-        c.pos = 4
-        version = c.unpack("<I")
-        if version < 2:
-            raise ModelFileError(f"{path} is GGUF version {version}; version 2 or later is needed")
-        n_tensors, n_kv = c.unpack("<Q"), c.unpack("<Q")
-        meta: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = c.string()
-            vtype = c.unpack("<I")
-            keep = not key.startswith("tokenizer.ggml.")  # vocabulary arrays: skip
-            meta[key] = c.value(vtype, keep)
-        weights = 0
-        matrix_types = set()
-        for _ in range(n_tensors):
-            name = c.string()
-            dims = [c.unpack("<Q") for _ in range(c.unpack("<I"))]
-            ttype = GGMLQuantizationType(c.unpack("<I"))
-            c.unpack("<Q")
-            block, size = GGML_QUANT_SIZES[ttype]
-            n = 1
-            for d in dims:
-                n *= d
-            weights += n // block * size
-            if len(dims) >= 2 and not name.startswith("token_embd."):
-                matrix_types.add(ttype.name.lower())
-    shape = _shape_from_gguf(meta, weights, n_tensors, path)
-    return attrs.evolve(shape, matrix_types=frozenset(matrix_types))
+    """The shape of a GGUF file; ModelFileError when it is truncated, corrupt or unsafe."""
+    try:
+        with path.open("rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ModelFileError("not a GGUF file (it does not start with GGUF)")
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                c = _Cursor(buf)
+                c.pos = 4
+                meta, tensors = _read_header(c)
+        arch = check_metadata(meta, {t.name: t.dims for t in tensors})
+        return _shape_from_gguf(meta, arch, tensors)
+    except ModelFileError as e:
+        raise ModelFileError(f"{path}: {e}") from None
+    except OSError as e:
+        raise ModelFileError(f"cannot read {path}: {e.strerror or e}") from None
 
 
-def _shape_from_gguf(meta: dict[str, Any], weights: int, n_tensors: int, path: Path) -> ModelShape:
-    arch = meta.get("general.architecture")
-    if not isinstance(arch, str):
-        raise ModelFileError(f"{path} has no general.architecture")
+@attrs.frozen
+class _Tensor:
+    name: str
+    dims: list[int]  # ggml order: dims[0] is the row length
+    type: GGMLQuantizationType
+    nbytes: int
 
-    def get(key: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{key}", default)
-        if value is None:
-            raise ModelFileError(f"{path} lacks {arch}.{key}")
-        return value
 
-    n_heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    n_kv = get("attention.head_count_kv", n_heads)
-    n_kv = max(n_kv) if isinstance(n_kv, list) else int(n_kv)
-    head_k = int(get("attention.key_length", hidden // n_heads))
-    vocab = meta.get(f"{arch}.vocab_size") or meta.get("tokenizer.ggml.tokens")
+def _read_header(c: _Cursor) -> tuple[dict[str, Any], list[_Tensor]]:
+    """Metadata (vocabulary arrays as their lengths) and the tensor table; checks the data."""
+    version = c.unpack("<I", "the version")
+    if version not in (2, 3):
+        raise ModelFileError(f"GGUF version {version}; Laya reads versions 2 and 3")
+    n_tensors, n_kv = c.unpack("<Q", "the tensor count"), c.unpack("<Q", "the key count")
+    c.need(n_kv * 13, f"{n_kv} metadata keys")  # a key: 8 B length, 1+ B name, 4 B type
+    meta: dict[str, Any] = {}
+    for i in range(n_kv):
+        key = c.string(f"the name of metadata key {i}")
+        if key in meta:  # llama.cpp refuses these too
+            raise ModelFileError(f"corrupt: metadata key {key} appears twice")
+        vtype = c.unpack("<I", f"the type of {key}")
+        meta[key] = c.value(vtype, not key.startswith("tokenizer.ggml."), key)  # skip vocab
+    c.need(n_tensors * 24, f"{n_tensors} tensor descriptions")  # name, dims, type, offset
+    table = [_read_tensor(c, i) for i in range(n_tensors)]
+    alignment = meta.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
+    if type(alignment) is not int or alignment < 1 or alignment & (alignment - 1):
+        raise ModelFileError(f"general.alignment is {alignment!r}; it must be a power of 2")
+    data_start = -(-c.pos // alignment) * alignment
+    for (tensor, offset) in table:
+        end = data_start + offset + tensor.nbytes
+        if end > c.size:
+            raise ModelFileError(f"truncated: tensor {tensor.name} ends at byte {end}, but "
+                                 f"the file has {c.size} bytes")
+    return meta, [t for t, _ in table]
+
+
+def _read_tensor(c: _Cursor, i: int) -> tuple[_Tensor, int]:
+    name = c.string(f"the name of tensor {i}")
+    n_dims = c.unpack("<I", f"the dimension count of tensor {name}")
+    if not 1 <= n_dims <= _GGML_MAX_DIMS:
+        raise ModelFileError(f"corrupt: tensor {name} has {n_dims} dimensions")
+    dims = [c.unpack("<Q", f"the dimensions of tensor {name}") for _ in range(n_dims)]
+    code = c.unpack("<I", f"the type of tensor {name}")
+    offset = c.unpack("<Q", f"the offset of tensor {name}")
+    try:
+        ttype = GGMLQuantizationType(code)
+        block, size = GGML_QUANT_SIZES[ttype]
+    except (ValueError, KeyError):
+        raise ModelFileError(f"corrupt: tensor {name} has unknown type {code}") from None
+    n = math.prod(dims)
+    if dims[0] % block:
+        raise ModelFileError(f"corrupt: tensor {name}'s rows of {dims[0]} are not whole "
+                             f"{ttype.name} blocks of {block}")
+    return _Tensor(name, dims, ttype, n // block * size), offset
+
+
+def _shape_from_gguf(meta: dict[str, Any], arch: str, tensors: list[_Tensor]) -> ModelShape:
+    """The shape of metadata that ``check_metadata`` passed."""
+    att = f"{arch}.attention"
+    n_heads = meta[f"{att}.head_count"]
+    n_heads = max(n_heads) if isinstance(n_heads, list) else n_heads
+    n_kv = meta.get(f"{att}.head_count_kv", n_heads)
+    n_kv = max(n_kv) if isinstance(n_kv, list) else n_kv
+    hidden = meta[f"{arch}.embedding_length"]
+    head_k = meta.get(f"{att}.key_length", hidden // n_heads)
+    matrix_types = {t.type.name.lower() for t in tensors
+                    if len(t.dims) >= 2 and not t.name.startswith("token_embd.")}
     return ModelShape(
-        architecture=arch, n_layers=int(get("block_count")), n_heads=n_heads, n_kv_heads=n_kv,
-        head_dim_k=head_k, head_dim_v=int(get("attention.value_length", head_k)),
-        hidden_size=hidden, vocab_size=int(vocab) if vocab else 0,
-        n_ctx_train=int(get("context_length")), weights_bytes=weights,
-        weights_source=f"GGUF tensor table ({n_tensors} tensors)")
+        architecture=arch, n_layers=meta[f"{arch}.block_count"], n_heads=n_heads,
+        n_kv_heads=n_kv, head_dim_k=head_k, head_dim_v=meta.get(f"{att}.value_length", head_k),
+        hidden_size=hidden, vocab_size=vocab_size(meta, arch),
+        n_ctx_train=meta[f"{arch}.context_length"],
+        weights_bytes=sum(t.nbytes for t in tensors),
+        weights_source=f"GGUF tensor table ({len(tensors)} tensors)",
+        matrix_types=frozenset(matrix_types))
 
 
 def _safetensors_bytes(folder: Path) -> tuple[int, int]:
@@ -177,6 +242,9 @@ def read_hf_folder(folder: Path) -> ModelShape:
         raise ModelFileError(f"{folder} has no config.json") from None
     except (KeyError, ValueError, TypeError) as e:
         raise ModelFileError(f"{config_path} lacks or mangles {e}") from None
+    if min(heads, hidden, n_layers) < 1:
+        raise ModelFileError(f"{config_path}: num_attention_heads ({heads}), hidden_size "
+                             f"({hidden}) and num_hidden_layers ({n_layers}) must be >= 1")
     n_kv = int(cfg.get("num_key_value_heads") or heads)
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     weights, n_files = _safetensors_bytes(folder)
@@ -193,6 +261,26 @@ def read_hf_folder(folder: Path) -> ModelShape:
         head_dim_v=head_dim, hidden_size=hidden, vocab_size=int(cfg.get("vocab_size", 0)),
         n_ctx_train=int(cfg.get("max_position_embeddings", 4096)), weights_bytes=weights,
         weights_source=source)
+
+
+def model_file_problem(path: str | Path) -> str | None:
+    """What is wrong with a model path (said to the user), or None: it must be a regular file
+    or a folder, and a GGUF file's header must pass :func:`read_gguf`'s checks."""
+    p = Path(path)
+    if not p.exists():
+        return f"no such file: {p}"
+    if not (p.is_file() or p.is_dir()):
+        return f"{p} is not a regular file or a folder"
+    try:
+        with p.open("rb") as f:
+            gguf = f.read(4) == b"GGUF"
+        if gguf:
+            read_gguf(p)
+    except ModelFileError as e:
+        return str(e)
+    except OSError:
+        return None  # a folder, or unreadable: the backend's own check says which
+    return None
 
 
 def read_shape(path: str | Path) -> ModelShape:

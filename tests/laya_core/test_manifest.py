@@ -1,4 +1,8 @@
+import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -123,9 +127,11 @@ def test_backend_options_and_model_files_are_checked(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("key", "value", "said"), [
-    ("n_threads", "lots", '"auto" or a whole number'), ("n_threads", 0, "from 1 to 1024"),
+    ("n_threads", "lots", '"auto" or a whole number'), ("n_threads", 0, "from 1 to 512"),
+    ("n_threads", 100000, "from 1 to 512"),
     ("n_threads", True, '"auto" or a whole number'), ("repack", "yes", '"auto", true or false'),
     ("use_mmap", 1, '"auto", true or false'), ("kv_unified", "auto", "true or false"),
+    ("use_mmap", "no", '"auto", true or false'), ("kv_unified", "maybe", "true or false"),
 ])
 def test_backend_option_values_are_checked(key: str, value: object, said: str) -> None:
     with pytest.raises(mf.ManifestError) as info:
@@ -137,3 +143,117 @@ def test_auto_and_explicit_backend_option_values_pass() -> None:
     options = {"n_threads": "auto", "repack": False, "use_mmap": "auto", "flash_attn": True}
     ok = mf.resolve(mf.from_dict({"models": [model(options=options)]}), load_registry())
     assert ok.models[0].options == options
+
+
+@pytest.mark.parametrize(("top", "key", "said"), [
+    ({"server": {"max_body_bytes": "1" * 400}}, "server.max_body_bytes", "at most 20 digits"),
+    ({"server": {"max_body_bytes": int("1" * 400)}}, "server.max_body_bytes", "more than 1 EiB"),
+    ({"server": {"max_body_bytes": "0.5B"}}, "server.max_body_bytes",
+     "'0.5B' is 0 bytes; this size must be a whole number of at least 1024 bytes"),
+    ({"server": {"max_body_bytes": 100}}, "server.max_body_bytes", "at least 1024 bytes"),
+    ({"memory": {"budget": "9" * 400 + "GiB"}}, "memory.budget", "at most 20 digits"),
+    ({"memory": {"budget": 10**400}}, "memory.budget", "more than 1 EiB"),
+    ({"memory": {"budget": "0.1KiB"}}, "memory.budget", "at least 1048576 bytes"),
+    ({"memory": {"budget": True}}, "memory.budget", "expected str or int"),
+])
+def test_sizes_are_whole_bytes_within_bounds(top: dict, key: str, said: str) -> None:
+    with pytest.raises(mf.ManifestError) as info:
+        parse(**top)
+    assert info.value.key == key and said in info.value.message
+
+
+def test_fractional_sizes_are_exact_and_rounded_down() -> None:
+    m = parse(server={"max_body_bytes": "1.5KiB"}, memory={"budget": "1.7GiB"})
+    assert m.server.max_body_bytes == 1536
+    assert m.memory.budget_bytes == 1825361100  # 1.7 x 2**30 = 1825361100.8
+
+
+def test_api_keys_file_follows_the_api_keys_rules(tmp_path: Path) -> None:
+    key_file = tmp_path / "keys"
+    key_file.write_text("  # a comment after blanks\n\n   file-key-0001  \n#also-a-comment\n")
+    assert parse(server={"api_keys_file": str(key_file)}).server.api_keys == ("file-key-0001",)
+    for text, line in (("a\n", 1), ("  # x\nshort\n", 2), ("good-key-01\nbad\x01key-01\n", 2)):
+        key_file.write_text(text)
+        with pytest.raises(mf.ManifestError) as info:
+            parse(server={"api_keys_file": str(key_file)})
+        assert info.value.key == "server.api_keys_file"
+        assert f"line {line} of {key_file}: an API key" in info.value.message
+
+
+def test_api_keys_env_follows_the_api_keys_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LAYA_TEST_KEYS", "env-key-0001,short")
+    with pytest.raises(mf.ManifestError) as info:
+        parse(server={"api_keys_env": "LAYA_TEST_KEYS"})
+    assert info.value.key == "server.api_keys_env"
+    assert "key 2 in LAYA_TEST_KEYS: an API key is a string of 8+" in info.value.message
+
+
+@pytest.mark.parametrize(("make", "said"), [
+    (lambda p: p.write_bytes(b"key-0001\n\xff\xfe\x00binary"), "is not UTF-8 text (byte 9"),
+    (lambda p: p.write_bytes(b"k" * (2**20 + 1)), "is larger than 1 MiB"),
+    (lambda p: p.mkdir(), "is not a regular file"),
+    (lambda p: os.mkfifo(p), "is not a regular file"),
+    (lambda p: None, "cannot read"),
+])
+def test_api_keys_file_must_be_a_small_text_file(tmp_path: Path, make: Any, said: str) -> None:
+    path = tmp_path / "keys"
+    make(path)
+    with pytest.raises(mf.ManifestError) as info:
+        parse(server={"api_keys_file": str(path)})
+    assert info.value.key == "server.api_keys_file" and said in info.value.message
+
+
+def test_api_keys_file_at_dev_zero_or_a_fifo_fails_check_quickly(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "fifo")
+    for keys in ("/dev/zero", str(tmp_path / "fifo")):
+        out = laya_check(tmp_path, f'[server]\napi_keys_file = "{keys}"\n')
+        assert out.returncode == 2, out.stderr
+        assert f"server.api_keys_file: {keys} is not a regular file" in out.stderr
+
+
+@pytest.mark.parametrize(("host", "said"), [
+    ("999.1.1.1", "'999.1.1.1' is not a valid IP address"),
+    ("1.2.3", "is not a valid IP address"),
+    ("localhost:8000", "no port"),
+    ("[::1]", "is not a valid IP address"),
+    ("exa mple", "neither an IP address nor a valid host name"),
+    (" 127.0.0.1", "neither an IP address nor a valid host name"),
+    ("a" * 64 + ".example", "neither an IP address nor a valid host name"),
+])
+def test_host_must_be_an_ip_address_or_host_name(host: str, said: str) -> None:
+    with pytest.raises(mf.ManifestError) as info:
+        parse(server={"host": host})
+    assert info.value.key == "server.host" and said in info.value.message
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "::", "::1", "localhost"])
+def test_good_hosts_pass_check(host: str) -> None:
+    assert mf.resolve(parse(server={"host": host}), load_registry()).server.host == host
+
+
+def test_a_host_name_that_does_not_resolve_is_refused_at_check() -> None:
+    with pytest.raises(mf.ManifestError) as info:  # .invalid never resolves (RFC 6761)
+        mf.resolve(parse(server={"host": "no-such-host.invalid"}), load_registry())
+    assert info.value.key == "server.host" and "does not resolve" in info.value.message
+
+
+def laya_check(tmp_path: Path, head: str) -> subprocess.CompletedProcess[str]:
+    manifest = tmp_path / "laya.toml"
+    manifest.write_text(head + '[[models]]\nname = "m"\npath = "embedded:smollm2-135m-instruct"\n')
+    return subprocess.run([sys.executable, "-m", "laya_core.cli", "check", str(manifest)],
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize(("head", "key"), [
+    (f"[server]\nmax_body_bytes = {'1' * 400}\n", "server.max_body_bytes"),
+    (f'[server]\nmax_body_bytes = "{"1" * 400}"\n', "server.max_body_bytes"),
+    ('[server]\nmax_body_bytes = "0.5B"\n', "server.max_body_bytes"),
+    (f"[memory]\nbudget = {'9' * 400}\n", "memory.budget"),
+    ('[server]\nhost = "999.1.1.1"\n', "server.host"),
+    ('[server]\nhost = "no-such-host.invalid"\n', "server.host"),
+    ('[server]\napi_keys_file = "/usr/bin/env"\n', "server.api_keys_file"),
+])
+def test_check_exits_2_naming_the_key(tmp_path: Path, head: str, key: str) -> None:
+    out = laya_check(tmp_path, head)
+    assert out.returncode == 2 and f"laya: manifest error: {key}: " in out.stderr
+    assert "Traceback" not in out.stderr

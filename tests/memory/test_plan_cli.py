@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import hostile_gguf as hg
+import pytest
 
 SEVEN_B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
            "intermediate_size": 11008, "num_attention_heads": 32, "num_hidden_layers": 32,
@@ -90,3 +95,35 @@ def test_systemd_unit_sets_memory_max_from_the_plan(tmp_path: Path) -> None:
     assert memory_max - max(256 * 2**20, memory_max // 10) >= plan["total_bytes"]
     assert memory_max < plan["total_bytes"] + 2**30
     assert "MemorySwapMax=0" in unit and f"serve {manifest.resolve()}" in unit
+
+
+HOSTILE: dict[str, tuple[Callable[[Path, Path], Path], str]] = {
+    "truncated to 1 MiB": (lambda src, dst: hg.truncated(src, dst, 2**20),
+                           "truncated or corrupt: at byte 960195, the 48900 items of "
+                           "tokenizer.ggml.merges"),
+    "truncated to 100 B": (lambda src, dst: hg.truncated(src, dst, 100), "file size 100 bytes"),
+    "truncated to 24 B": (lambda src, dst: hg.truncated(src, dst, 24), "file size 24 bytes"),
+    "magic only": (lambda src, dst: hg.truncated(src, dst, 4), "the version would take 4 bytes"),
+    "a huge string length": (hg.with_huge_string_length, "would take 4611686018427387904 bytes"),
+    "version 999": (lambda src, dst: hg.with_version(src, dst, 999), "GGUF version 999"),
+    "head_count 0": (lambda src, dst: hg.with_metadata(
+        src, dst, "llama.attention.head_count", 0), "llama.attention.head_count is 0"),
+    "epsilon nan": (lambda src, dst: hg.with_metadata(
+        src, dst, "llama.attention.layer_norm_rms_epsilon", math.nan, "f32"),
+        "llama.attention.layer_norm_rms_epsilon is nan; llama.cpp needs a finite number >= 0"),
+    "block_count 1000": (lambda src, dst: hg.with_metadata(src, dst, "llama.block_count", 1000),
+                         "llama.block_count is 1000 but the tensor table has 30 layers"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_hostile_model_files_exit_2_naming_the_problem(tmp_path: Path, case: str) -> None:
+    make, said = HOSTILE[case]
+    model = make(hg.embedded(), tmp_path / "model.gguf")
+    manifest = tmp_path / "laya.toml"
+    manifest.write_text('[[models]]\nname = "m"\npath = "model.gguf"\n')
+    for command in ("check", "plan", "serve"):
+        out = laya(command, str(manifest))
+        assert out.returncode == 2, (command, out.stderr)
+        assert f"laya: manifest error: models[0].path: {model}: " in out.stderr, command
+        assert said in out.stderr and "Traceback" not in out.stderr, (command, out.stderr)

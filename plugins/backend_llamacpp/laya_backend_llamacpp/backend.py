@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 _FLASH_ATTN = {"auto": -1, False: 0, True: 1}  # llama_flash_attn_type
 _LOAD_MODE = {True: 1, False: 0}  # use_mmap -> llama_load_mode: MMAP, NONE
+_MAX_THREADS = 512  # GGML_MAX_N_THREADS
+_IDS_PER_COPY = 32768  # token ids copied out of llama.cpp's buffer per GIL hold (about 1 ms)
 _PIECE_BUF = 256  # bytes; the longest token piece of common vocabularies is far shorter
 _KV_CELL_ALIGN = 256  # llama.cpp pads each KV stream to this many cells
 _VOCAB_BYTES_PER_TOKEN = 512
@@ -76,8 +78,10 @@ class LlamaCppBackend(Backend):
     @classmethod
     def check_option(cls, name: str, value: object) -> str | None:
         if name == "n_threads":
-            ok = value == "auto" or (type(value) is int and 1 <= value <= 1024)
-            return None if ok else f'must be "auto" or a whole number from 1 to 1024, not {value!r}'
+            # ggml sizes its per-thread tables by GGML_MAX_N_THREADS (512); 100000 segfaulted.
+            ok = value == "auto" or (type(value) is int and 1 <= value <= _MAX_THREADS)
+            return None if ok else \
+                f'must be "auto" or a whole number from 1 to {_MAX_THREADS}, not {value!r}'
         if name in ("repack", "flash_attn", "use_mmap"):
             ok = value == "auto" or isinstance(value, bool)
             return None if ok else f'must be "auto", true or false, not {value!r}'
@@ -175,7 +179,18 @@ class LlamaCppBackend(Backend):
             eos_token=self._special_text(ll.llama_vocab_eos(vocab)),
             add_bos=bool(ll.llama_vocab_get_add_bos(vocab)),
             description=desc.value.decode("utf-8", "replace"),
+            special_tokens=self._special_texts(n_vocab),
         )
+
+    def _special_texts(self, n_vocab: int) -> frozenset[str]:
+        """The texts llama.cpp's tokenizer matches as special tokens when parsing specials:
+        control, user-defined and unknown tokens (llama-vocab.cpp's special-token cache)."""
+        ll = self._ll
+        kinds = ll.LLAMA_TOKEN_ATTR_CONTROL | ll.LLAMA_TOKEN_ATTR_USER_DEFINED \
+            | ll.LLAMA_TOKEN_ATTR_UNKNOWN
+        texts = (self._special_text(t) for t in range(n_vocab)
+                 if ll.llama_vocab_get_attr(self._vocab, t) & kinds)
+        return frozenset(t for t in texts if t)
 
     def allocate_cache(self, *, n_ctx: int, max_num_seqs: int) -> None:
         ll = self._ll
@@ -225,15 +240,21 @@ class LlamaCppBackend(Backend):
         text = self._ll.llama_vocab_get_text(self._vocab, token)
         return text.decode("utf-8", "replace") if text else ""
 
-    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
         ll = self._ll
         data = text.encode("utf-8")
         capacity = len(data) + 16
         while True:
             out = (ll.llama_token * capacity)()
-            n = ll.llama_tokenize(self._vocab, data, len(data), out, capacity, add_special, True)
+            n = ll.llama_tokenize(self._vocab, data, len(data), out, capacity, add_special,
+                                  parse_special)
             if n >= 0:
-                return list(out[:n])
+                # In slices: each copy holds the GIL, and a megabyte prompt's 800k ids in
+                # one go would stall the event loop for 24 ms.
+                ids: list[int] = []
+                for start in range(0, n, _IDS_PER_COPY):
+                    ids += out[start:min(start + _IDS_PER_COPY, n)]
+                return ids
             capacity = -n
 
     def token_bytes(self, token_id: int) -> bytes:
