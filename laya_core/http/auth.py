@@ -34,4 +34,6 @@ class ApiKeyMiddleware:
             return
         error = APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
                          code="invalid_api_key")
-        await error.response()(scope, receive, send)
+        response = error.response()
+        response.headers["WWW-Authenticate"] = "Bearer"  # RFC 6750 §3: a 401 names its scheme
+        await response(scope, receive, send)

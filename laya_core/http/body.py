@@ -1,13 +1,17 @@
-"""Reading a JSON request body within a size limit."""
+"""Reading a JSON request body within a size limit (parsed by :mod:`safe_json`)."""
 
 from __future__ import annotations
 
-import json
+import asyncio
 from typing import Any
 
 from starlette.requests import Request
 
-from laya_core.http.errors import APIError, invalid
+from laya_core.http import safe_json
+from laya_core.http.errors import APIError
+from laya_core.manifest import ServerConfig
+
+_PARSE_INLINE_BYTES = 256 * 2**10
 
 
 def _too_large(max_bytes: int) -> APIError:
@@ -15,16 +19,30 @@ def _too_large(max_bytes: int) -> APIError:
                     code="body_too_large")
 
 
-async def json_body(request: Request, max_bytes: int) -> Any:
+async def json_body(request: Request, server: ServerConfig) -> Any:
+    """The body's JSON value. It must arrive whole within ``server.body_timeout_s`` (408
+    after that: a client that declares a length and then trickles or stops must not hold a
+    connection), be at most ``server.max_body_bytes`` (413), and pass :mod:`safe_json`."""
+    max_bytes = server.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(max_bytes)
+    try:
+        data = await asyncio.wait_for(_read(request, max_bytes), server.body_timeout_s)
+    except TimeoutError:
+        raise APIError(408, f"the body did not arrive within {server.body_timeout_s:g} s",
+                       param="body", code="body_timeout") from None
+    if len(data) > _PARSE_INLINE_BYTES:
+        # The walk over a large body is Python code: on a worker thread the event loop gets
+        # the GIL between its steps instead of waiting for the whole parse.
+        return await asyncio.to_thread(safe_json.loads, data)
+    return safe_json.loads(data)
+
+
+async def _read(request: Request, max_bytes: int) -> bytearray:
     data = bytearray()
     async for piece in request.stream():
         data += piece
         if len(data) > max_bytes:
             raise _too_large(max_bytes)
-    try:
-        return json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise invalid("body", f"the body is not valid JSON: {e}", "invalid_json") from None
+    return data

@@ -48,7 +48,7 @@ class CompletionHandlers:
     def __init__(self, deployment: Deployment, observer: Observer) -> None:
         self.deployment = deployment
         self.observer = observer
-        self.max_body = deployment.manifest.server.max_body_bytes
+        self.server = deployment.manifest.server
 
     async def _start(
         self, request: Request, req: ChatRequest | CompletionRequest, id_prefix: str, obj: str,
@@ -65,7 +65,7 @@ class CompletionHandlers:
         return runs, base, runs[0].engine.backend.token_bytes
 
     async def chat(self, request: Request) -> Response:
-        req = parse_chat(await json_body(request, self.max_body))
+        req = parse_chat(await json_body(request, self.server))
         runs, base, token_bytes = await self._start(request, req, "chatcmpl",
                                                     "chat.completion.chunk")
         if req.common.stream:
@@ -91,7 +91,7 @@ class CompletionHandlers:
                                                "choices": choices})
 
     async def completions(self, request: Request) -> Response:
-        req = parse_completion(await json_body(request, self.max_body))
+        req = parse_completion(await json_body(request, self.server))
         runs, base, token_bytes = await self._start(request, req, "cmpl", "text_completion")
         if req.common.stream:
             def chunk(i: int, event: Any) -> dict[str, Any]:

@@ -25,6 +25,8 @@ _UNSUPPORTED_UNLESS = {
 }
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
+INT32_MAX = 2**31 - 1  # token counts and ids reach C as int32
+MAX_SEED = 2**32 - 2  # uint32, less LLAMA_DEFAULT_SEED (0xFFFFFFFF: draw a random seed)
 
 
 @attrs.frozen
@@ -64,6 +66,14 @@ class CompletionRequest:
     echo: bool = False
 
 
+def _as_float(name: str, value: int) -> float:
+    try:
+        return float(value)
+    except OverflowError:
+        raise invalid(name, f"'{name}' must be a finite number, got an integer too large "
+                      "for a float") from None
+
+
 class _Body:
     def __init__(self, body: Any) -> None:
         if not isinstance(body, Mapping):
@@ -77,7 +87,7 @@ class _Body:
         kinds = kinds if isinstance(kinds, tuple) else (kinds,)
         ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
         if float in kinds and isinstance(value, int) and not isinstance(value, bool):
-            ok, value = True, float(value)
+            ok, value = True, _as_float(name, value)
         if not ok:
             names = " or ".join({int: "integer", float: "number", str: "string",
                                  bool: "boolean", list: "array", dict: "object"}[k] for k in kinds)
@@ -86,6 +96,12 @@ class _Body:
         if isinstance(value, float) and not math.isfinite(value):
             raise invalid(name, f"'{name}' must be a finite number")
         return value
+
+    def integer(self, name: str, low: int, high: int, why: str = "") -> int | None:
+        value = self.get(name, int)
+        if value is not None and not low <= value <= high:
+            raise invalid(name, f"'{name}' must be between {low} and {high}{why}, got {value}")
+        return value  # type: ignore[no-any-return]
 
     def number(self, name: str, default: float, low: float, high: float) -> float:
         value = self.get(name, float, default)
@@ -108,14 +124,13 @@ def _common(b: _Body, logprobs: int | None) -> GenerationRequest:
     model = b.get("model", str)
     if not model:
         raise invalid("model", "'model' is required: name one of GET /v1/models", "missing")
-    max_tokens = b.get("max_completion_tokens", int) or b.get("max_tokens", int)
-    param = "max_completion_tokens" if "max_completion_tokens" in b.body else "max_tokens"
-    if max_tokens is not None and max_tokens < 1:
-        raise invalid(param, f"'{param}' must be at least 1, got {max_tokens}")
-    top_k = b.get("top_k", int, 0)
-    if top_k < -1:
-        raise invalid("top_k", f"'top_k' must be -1 (off), 0 (off) or positive, got {top_k}")
-    seed = b.get("seed", int)
+    max_tokens = b.integer("max_tokens", 1, INT32_MAX)
+    newer = b.integer("max_completion_tokens", 1, INT32_MAX)  # wins when both are sent
+    max_tokens = newer if newer is not None else max_tokens
+    top_k = b.integer("top_k", -1, INT32_MAX, " (-1 or 0: off)") or 0
+    n = b.integer("n", 1, MAX_N) or 1
+    # llama.cpp seeds are 32-bit and 4294967295 means "random"; choice i draws with seed + i.
+    seed = b.integer("seed", 0, MAX_SEED - (n - 1), f" for n={n}" if n > 1 else "")
     stop = b.get("stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
     if len(stop) > 16 or not all(isinstance(s, str) and s for s in stop):
@@ -129,12 +144,10 @@ def _common(b: _Body, logprobs: int | None) -> GenerationRequest:
         raise invalid("stream_options.include_usage", "'include_usage' must be a boolean",
                       "invalid_type")
     stop_ids = b.get("stop_token_ids", list, [])
-    if len(stop_ids) > 64 or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                     for t in stop_ids):
-        raise invalid("stop_token_ids", "'stop_token_ids' must be at most 64 token ids (>= 0)")
-    n = b.get("n", int, 1)
-    if not 1 <= n <= MAX_N:
-        raise invalid("n", f"'n' must be between 1 and {MAX_N}, got {n}")
+    if len(stop_ids) > 64 or not all(isinstance(t, int) and not isinstance(t, bool)
+                                     and 0 <= t <= INT32_MAX for t in stop_ids):
+        raise invalid("stop_token_ids", "'stop_token_ids' must be at most 64 token ids "
+                      f"(0..{INT32_MAX})")
     return GenerationRequest(
         n=n, logprobs=logprobs, stop_token_ids=tuple(stop_ids),
         ignore_eos=b.get("ignore_eos", bool, False),

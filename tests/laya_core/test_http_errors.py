@@ -133,3 +133,108 @@ def test_unknown_paths_and_methods_use_the_error_shape(deployment: Deployment) -
 def test_a_good_request_still_works(deployment: Deployment) -> None:
     r = call(deployment, "POST", "/v1/completions", json=GOOD)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "abc"
+
+
+def post_raw(deployment: Deployment, path: str, body: bytes) -> httpx.Response:
+    return call(deployment, "POST", path, content=body)
+
+
+def assert_refused(r: httpx.Response, param: str | None, status: int = 400) -> None:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"], error
+
+
+def test_a_401_names_the_bearer_scheme(deployment: Deployment) -> None:
+    for key in (None, "sk-wrong-0123456789"):
+        r = call(deployment, "POST", "/v1/completions", key=key, json=GOOD)
+        assert_refused(r, None, 401)
+        assert r.headers["WWW-Authenticate"] == "Bearer"
+
+
+RAW_CHAT = b'{"model": "toy", "messages": [{"role": "user", "content": %s}]}'
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", RAW_CHAT % b'"a\\ud800"', "messages[0].content"),
+    ("/v1/chat/completions", RAW_CHAT % b'[{"type": "text", "text": "\\udfff b"}]',
+     "messages[0].content[0].text"),
+    ("/v1/completions", b'{"model": "toy", "prompt": "a\\ud800"}', "prompt"),
+    ("/v1/completions", b'{"model": "toy", "prompt": ["ok", "a\\uDBFF"]}', "prompt[1]"),
+    ("/v1/completions", b'{"model": "toy", "prompt": "a\xed\xa0\x80"}', "prompt"),  # raw bytes
+    ("/v1/completions", b'{"model": "toy", "prompt": "ok", "stop": ["\\ud800"]}', "stop[0]"),
+    ("/tokenize", b'{"model": "toy", "prompt": "a\\ud800"}', "prompt"),
+    ("/tokenize", b'{"model": "toy", "messages": [{"role": "user", "content": "\\ud800"}]}',
+     "messages[0].content"),
+    ("/v1/completions", b'{"model": "toy", "prompt": "ok", "x\\ud800": 1}', "x\\ud800"),
+])
+def test_lone_surrogates_are_refused_with_their_field(deployment: Deployment, path: str,
+                                                      body: bytes, param: str) -> None:
+    assert_refused(post_raw(deployment, path, body), param)
+
+
+def test_a_user_with_a_lone_surrogate_is_refused_before_routing(deployment: Deployment) -> None:
+    body = b'{"model": "toy", "prompt": "abc", "max_tokens": 3, "user": "\\ud800"}'
+    assert_refused(post_raw(deployment, "/v1/completions", body), "user")
+    paired = b'{"model": "toy", "prompt": "abc", "max_tokens": 3, "user": "\\ud83d\\ude00"}'
+    assert post_raw(deployment, "/v1/completions", paired).status_code == 200
+
+
+@pytest.mark.parametrize(("depth", "param"), [(65, "prompt"), (2000, "body")])
+def test_deep_nesting_is_refused(deployment: Deployment, depth: int, param: str) -> None:
+    # 2000 levels pass the interpreter's recursion limit inside json.loads itself.
+    body = b'{"model": "toy", "prompt": ' + b"[" * depth + b"]" * depth + b"}"
+    r = post_raw(deployment, "/v1/completions", body)
+    assert_refused(r, param)
+    assert r.json()["error"]["code"] == "too_deep"
+
+
+@pytest.mark.parametrize(("field", "literal"), [
+    ("temperature", b"1" + b"0" * 400),
+    ("top_p", b"1e400"),
+    ("presence_penalty", b"-1e400"),
+    ("repetition_penalty", b"NaN"),
+    ("temperature", b"Infinity"),
+    ("frequency_penalty", b"-Infinity"),
+    ("top_k", b"9" * 30),
+    ("seed", b"-" + b"9" * 20),
+])
+def test_huge_and_non_finite_numbers_name_the_field(deployment: Deployment, field: str,
+                                                    literal: bytes) -> None:
+    body = b'{"model": "toy", "prompt": "abc", "%s": %s}' % (field.encode(), literal)
+    assert_refused(post_raw(deployment, "/v1/completions", body), field)
+
+
+@pytest.mark.parametrize("body", [
+    {**CHAT, "max_completion_tokens": 0},
+    {**CHAT, "max_tokens": None, "max_completion_tokens": 0},
+    {**CHAT, "max_tokens": 3, "max_completion_tokens": -1},
+])
+def test_max_completion_tokens_follows_the_max_tokens_rule(deployment: Deployment,
+                                                           body: dict[str, Any]) -> None:
+    assert_refused(call(deployment, "POST", "/v1/chat/completions", json=body),
+                   "max_completion_tokens")
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({**GOOD, "top_k": 2**40}, "top_k"),
+    ({**GOOD, "top_k": 2**31}, "top_k"),
+    ({**GOOD, "seed": -1}, "seed"),
+    ({**GOOD, "seed": 2**32 - 1}, "seed"),  # llama.cpp's "random seed"
+    ({**GOOD, "seed": 2**32 - 2, "n": 2}, "seed"),  # the second choice draws with seed + 1
+    ({**GOOD, "seed": 2**63}, "seed"),
+    ({**GOOD, "max_tokens": 2**31}, "max_tokens"),
+    ({**GOOD, "stop_token_ids": [2**40]}, "stop_token_ids"),
+    ({**GOOD, "n": 2**62}, "n"),
+    ({**GOOD, "logprobs": -1}, "logprobs"),
+])
+def test_integer_fields_are_bounded(deployment: Deployment, body: dict[str, Any],
+                                    param: str) -> None:
+    assert_refused(call(deployment, "POST", "/v1/completions", json=body), param)
+
+
+def test_integer_fields_at_their_bounds_are_served(deployment: Deployment) -> None:
+    for extra in ({"top_k": 2**31 - 1}, {"seed": 2**32 - 2}, {"seed": 0},
+                  {"seed": 2**32 - 3, "n": 2}, {"top_k": -1}):
+        r = call(deployment, "POST", "/v1/completions", json={**GOOD, **extra})
+        assert r.status_code == 200, (extra, r.text)

@@ -1,0 +1,56 @@
+"""Clients that declare a body and then trickle it, or never send it, are cut off."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import SMOLLM_MANIFEST, ServerProcess
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    manifest = SMOLLM_MANIFEST.replace('port = {port}\n', 'port = {port}\nbody_timeout_s = 1\n')
+    s = ServerProcess(manifest, Path(tmp_path_factory.mktemp("slow_clients")))
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+def send_slowly(server: ServerProcess, parts: list[bytes], gap_s: float) -> tuple[bytes, float]:
+    """Send the request's parts with a pause between them; the response and its delay."""
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as conn:
+        for part in parts:
+            try:
+                conn.sendall(part)
+            except OSError:  # the server hung up: what it said is still there to read
+                break
+            time.sleep(gap_s)
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+    return answer, time.monotonic() - started
+
+
+HEAD = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 1000\r\nConnection: close\r\n\r\n")
+
+
+def test_a_body_that_never_comes_gets_408(server: ServerProcess) -> None:
+    answer, took = send_slowly(server, [HEAD], gap_s=0)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b'"body_timeout"' in answer and took < 5
+
+
+def test_a_trickling_body_gets_408(server: ServerProcess) -> None:
+    answer, took = send_slowly(server, [HEAD] + [b" "] * 20, gap_s=0.2)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert took < 5
+    assert httpx.get(f"{server.url}/health").status_code == 200
