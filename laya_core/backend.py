@@ -55,6 +55,9 @@ class ModelInfo:
     eos_token: str
     add_bos: bool
     description: str = ""
+    # Texts that ``tokenize(..., parse_special=True)`` turns into control tokens; message
+    # content holding them is tokenized as text instead (laya_core/chat_prompt.py).
+    special_tokens: frozenset[str] = frozenset()
 
 
 @attrs.frozen
@@ -130,8 +133,10 @@ class Backend(abc.ABC):
         """Allocate the fixed KV pool: ``n_ctx`` tokens shared by ``max_num_seqs`` slots."""
 
     @abc.abstractmethod
-    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
-        """Text to token ids; special-token markup in ``text`` is parsed as special tokens."""
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
+        """Text to token ids. ``add_special``: the BOS (or similar) tokens the model adds
+        to a whole prompt. ``parse_special``: markup of special tokens in ``text`` becomes
+        those tokens; false, it stays text (how message content is tokenized)."""
 
     @abc.abstractmethod
     def token_bytes(self, token_id: int) -> bytes:

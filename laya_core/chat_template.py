@@ -6,7 +6,7 @@ sandbox, which refuses attribute access to internals and mutation of passed-in o
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jinja2
@@ -14,7 +14,11 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
 class TemplateError(ValueError):
-    """The template failed to render these messages (it may raise on purpose, e.g. roles)."""
+    """The template failed to render these messages."""
+
+
+class TemplateRefusal(TemplateError):
+    """The template refused these messages on purpose (``raise_exception``, e.g. roles)."""
 
 
 # Used when a model file carries no template: ChatML, the most common convention.
@@ -25,7 +29,7 @@ CHATML = (
 
 
 def _raise_exception(message: str) -> None:
-    raise TemplateError(message)
+    raise TemplateRefusal(message)
 
 
 class ChatTemplate:
@@ -41,10 +45,18 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Mapping[str, Any]],
                add_generation_prompt: bool = True) -> str:
+        """The whole prompt, in this process: only for templates that are trusted (tests,
+        the default). The server renders model files' templates in ``TemplateSandbox``."""
+        return "".join(self.generate(messages, add_generation_prompt))
+
+    def generate(self, messages: Sequence[Mapping[str, Any]],
+                 add_generation_prompt: bool = True) -> Iterator[str]:
+        """The prompt piece by piece, so a caller can stop a template that writes too much."""
+        pieces = self._template.generate(
+            messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+            bos_token=self._bos, eos_token=self._eos)
         try:
-            return self._template.render(
-                messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
-                bos_token=self._bos, eos_token=self._eos)
+            yield from pieces
         except TemplateError:
             raise
         except jinja2.TemplateError as e:

@@ -4,20 +4,42 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from laya_core.backend import ModelConfig
-from laya_core.chat_template import ChatTemplate
+from laya_core.chat_prompt import chat_prompt_ids
+from laya_core.chat_template import TemplateError, TemplateRefusal
 from laya_core.engine import Engine, EngineState
 from laya_core.manifest import Manifest
 from laya_core.memory_plan import Plan
 from laya_core.plugins import Registry
 from laya_core.router import Router
+from laya_core.template_sandbox import TemplateSandbox
+
+# Conversations a model's chat template must render at load: the first it accepts passes.
+# Some templates refuse a system turn or a leading assistant on purpose (raise_exception).
+PROBES: tuple[tuple[dict[str, str], ...], ...] = (
+    ({"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hi."},
+     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye."}),
+    ({"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."},
+     {"role": "user", "content": "Bye."}),
+    ({"role": "user", "content": "Hi."},),
+)
 
 log = logging.getLogger(__name__)
 
 
 class UnknownModelError(LookupError):
     pass
+
+
+class ModelUnavailableError(RuntimeError):
+    """No replica of the model can serve: still loading, or ``failed`` to load for good."""
+
+    def __init__(self, message: str, failed: bool) -> None:
+        super().__init__(message)
+        self.failed = failed
 
 
 class Deployment:
@@ -34,7 +56,7 @@ class Deployment:
         self.router: Router = registry.routers[router_name].obj()
         self.engines: list[Engine] = []
         self.models: dict[str, ModelConfig] = {}
-        self._templates: dict[str, ChatTemplate] = {}
+        self.templates = TemplateSandbox()
         for config in manifest.models:
             self.models[config.name] = config
             backend_cls = registry.backends[config.backend].obj
@@ -43,7 +65,8 @@ class Deployment:
             for _ in range(config.replicas):
                 replica = len(self.engines)
                 self.engines.append(Engine(config, backend_cls(config), scheduler_cls,
-                                           cache_cls, replica_id=replica))
+                                           cache_cls, replica_id=replica,
+                                           on_loaded=self._probe_template))
                 self.router.add_replica(config.name, replica)
             self.router.set_policy(config.name, config.routing)
 
@@ -61,6 +84,7 @@ class Deployment:
     def stop(self) -> None:
         for engine in self.engines:
             engine.stop()
+        self.templates.close()
 
     def model(self, name: str) -> ModelConfig:
         try:
@@ -72,18 +96,54 @@ class Deployment:
         return [e for e in self.engines if e.config.name == name]
 
     def any_engine(self, name: str) -> Engine:
-        """A loaded engine of the model, for tokenizing and limits (all replicas agree)."""
+        """A loaded engine of the model, for tokenizing and limits (all replicas agree);
+        raises :class:`ModelUnavailableError` saying whether one may still come."""
         self.model(name)
-        for engine in self.engines_of(name):
+        engines = self.engines_of(name)
+        for engine in engines:
             if engine.state is EngineState.READY:
                 return engine
-        raise RuntimeError(f"model {name!r} has no replica loaded yet")
+        if all(e.state in (EngineState.FAILED, EngineState.STOPPED) for e in engines):
+            reasons = "; ".join(sorted({e.error or e.state.value for e in engines}))
+            raise ModelUnavailableError(f"the model {name!r} failed to load: {reasons}", True)
+        raise ModelUnavailableError(f"the model {name!r} is still loading", False)
 
-    def chat_template(self, name: str) -> ChatTemplate:
-        template = self._templates.get(name)
-        if template is None:
-            info = self.any_engine(name).info
-            assert info is not None
-            template = ChatTemplate(info.chat_template, info.bos_token, info.eos_token)
-            self._templates[name] = template
-        return template
+    @property
+    def all_failed(self) -> bool:
+        """Every replica of every model failed to load: nothing will ever be served."""
+        return all(e.state is EngineState.FAILED for e in self.engines)
+
+    def render_chat(self, engine: Engine, messages: Sequence[Mapping[str, Any]],
+                    add_generation_prompt: bool = True) -> str:
+        """The engine's model's chat template applied to ``messages``, in the sandbox.
+        Blocks for up to the sandbox's time limit: call it from a worker thread."""
+        info = engine.info
+        assert info is not None
+        return self.templates.render(info.chat_template, info.bos_token, info.eos_token,
+                                     messages, add_generation_prompt)
+
+    def chat_prompt(self, engine: Engine, messages: Sequence[Mapping[str, Any]],
+                    add_generation_prompt: bool = True, add_special: bool = True) -> list[int]:
+        """Token ids of a chat: the template's markup as special tokens, the messages'
+        content as text. Blocking (rendering and tokenizing): call it from a worker thread."""
+        info = engine.info
+        assert info is not None
+        return chat_prompt_ids(messages,
+                               lambda m: self.render_chat(engine, m, add_generation_prompt),
+                               engine.backend.tokenize, info.special_tokens, add_special)
+
+    def _probe_template(self, engine: Engine) -> None:
+        """Refuse a model whose chat template cannot render a plain conversation within the
+        sandbox's bounds; runs on the engine's thread once the model has loaded."""
+        refusals = []
+        for probe in PROBES:
+            try:
+                self.render_chat(engine, probe)
+                return
+            except TemplateRefusal as e:
+                refusals.append(str(e))
+            except TemplateError as e:
+                raise TemplateError(f"the model's chat template failed a test render: {e}") \
+                    from None
+        raise TemplateError("the model's chat template refused every test conversation: "
+                            + "; ".join(refusals))

@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 import attrs
 
@@ -67,8 +68,10 @@ class Engine:
 
     def __init__(self, config: ModelConfig, backend: Backend,
                  scheduler_cls: type[Scheduler], cache_cls: type[CachePolicy],
-                 replica_id: int = 0) -> None:
+                 replica_id: int = 0,
+                 on_loaded: Callable[[Engine], None] | None = None) -> None:
         self.config = config
+        self._on_loaded = on_loaded  # a check of the loaded model; raising fails the load
         self.backend = backend
         self.replica_id = replica_id
         self._scheduler_cls = scheduler_cls
@@ -208,6 +211,8 @@ class Engine:
             prefix_caching=self.config.prefix_caching and self.backend.supports_prefix_sharing,
             compaction=self.backend.supports_moving)
         self.scheduler = self._scheduler_cls(sched_config, cache)
+        if self._on_loaded is not None:
+            self._on_loaded(self)
 
     def _run(self) -> None:
         try:

@@ -16,6 +16,7 @@ from laya_core.memory_plan import Plan
 from laya_core.plugins import Registry
 
 log = logging.getLogger("laya")
+_LOAD_WATCH_S = 0.2
 
 
 def hypercorn_config(manifest: Manifest) -> Config:
@@ -30,14 +31,29 @@ def hypercorn_config(manifest: Manifest) -> Config:
     return config
 
 
+async def _stop_when_nothing_loads(deployment: Deployment, stop: asyncio.Event) -> None:
+    """A server none of whose models loaded serves nothing: end it, rather than answer
+    every request with an error for ever. A model that failed beside others that loaded
+    only marks itself failed (/ready and its requests say why)."""
+    while not stop.is_set():
+        if deployment.all_failed:
+            stop.set()
+            return
+        await asyncio.sleep(_LOAD_WATCH_S)
+
+
 async def _serve(deployment: Deployment) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     app = create_app(deployment)
-    await hypercorn_serve(app, hypercorn_config(deployment.manifest),  # type: ignore[arg-type]
-                          shutdown_trigger=stop.wait)
+    watch = asyncio.create_task(_stop_when_nothing_loads(deployment, stop))
+    try:
+        await hypercorn_serve(app, hypercorn_config(deployment.manifest),  # type: ignore[arg-type]
+                              shutdown_trigger=stop.wait)
+    finally:
+        watch.cancel()
 
 
 def serve(manifest: Manifest, registry: Registry, plan: Plan | None = None) -> int:

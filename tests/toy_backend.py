@@ -36,7 +36,7 @@ class ToyBackend(Backend):
         self.n_ctx = n_ctx
         self.max_num_seqs = max_num_seqs
 
-    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
     def token_bytes(self, token_id: int) -> bytes:

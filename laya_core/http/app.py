@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -14,7 +15,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from laya_core.chat_template import TemplateError
-from laya_core.deployment import Deployment, UnknownModelError
+from laya_core.deployment import Deployment
+from laya_core.http import generation as gen
 from laya_core.http.auth import ApiKeyMiddleware
 from laya_core.http.body import json_body
 from laya_core.http.completions import CompletionHandlers
@@ -40,13 +42,7 @@ def create_app(deployment: Deployment) -> Starlette:
                 "max_model_len": engines[0].max_seq_len or None, "replicas": len(engines)}
 
     def engine_for(name: str, param: str = "model") -> Any:
-        try:
-            return deployment.any_engine(name)
-        except UnknownModelError:
-            raise APIError(404, f"the model {name!r} does not exist; see GET /v1/models",
-                           param=param, code="model_not_found") from None
-        except RuntimeError as e:
-            raise APIError(503, str(e), code="not_ready", retry_after=5) from None
+        return gen.engine_for(deployment, name, param)
 
     async def list_models(request: Request) -> Response:
         return JSONResponse({"object": "list",
@@ -60,21 +56,23 @@ def create_app(deployment: Deployment) -> Starlette:
         return JSONResponse(model_card(name))
 
     async def tokenize(request: Request) -> Response:
-        req = parse_tokenize(await json_body(request, server.max_body_bytes))
+        req = parse_tokenize(await json_body(request, server))
         engine = engine_for(req.model)
-        text = req.prompt
         if req.messages is not None:
             try:
-                text = deployment.chat_template(req.model).render(
-                    req.messages, add_generation_prompt=req.add_generation_prompt)
+                tokens = await asyncio.to_thread(
+                    deployment.chat_prompt, engine, req.messages, req.add_generation_prompt,
+                    req.add_special_tokens)
             except TemplateError as e:
                 raise invalid("messages", str(e), "chat_template_error") from None
-        tokens = engine.backend.tokenize(text, add_special=req.add_special_tokens)
+        else:
+            tokens = await asyncio.to_thread(engine.backend.tokenize, req.prompt,
+                                             add_special=req.add_special_tokens)
         return JSONResponse({"tokens": tokens, "count": len(tokens),
                              "max_model_len": engine.max_seq_len})
 
     async def detokenize(request: Request) -> Response:
-        body = await json_body(request, server.max_body_bytes)
+        body = await json_body(request, server)
         model = body.get("model") if isinstance(body, dict) else None
         if not isinstance(model, str) or not model:
             raise invalid("model", "'model' is required", "missing")

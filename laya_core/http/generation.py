@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import attrs
 
-from laya_core.deployment import Deployment, UnknownModelError
+from laya_core.deployment import Deployment, ModelUnavailableError, UnknownModelError
 from laya_core.engine import (
     Engine,
     EngineUnavailableError,
@@ -55,6 +55,19 @@ class Result:
     samples: list[Sample]
 
 
+def engine_for(deployment: Deployment, name: str, param: str = "model") -> Engine:
+    """A loaded engine of model ``name``, or the APIError that says why there is none."""
+    try:
+        return deployment.any_engine(name)
+    except UnknownModelError:
+        raise APIError(404, f"the model {name!r} does not exist; see GET /v1/models",
+                       param=param, code="model_not_found") from None
+    except ModelUnavailableError as e:
+        if e.failed:  # no retry will help: say why, at once
+            raise APIError(503, str(e), code="model_failed") from None
+        raise APIError(503, str(e), code="not_ready", retry_after=5) from None
+
+
 def _params(req: GenerationRequest, max_tokens: int, choice: int) -> SamplingParams:
     seed = None if req.seed is None else req.seed + choice  # n choices must differ
     return SamplingParams(
@@ -67,10 +80,10 @@ def _params(req: GenerationRequest, max_tokens: int, choice: int) -> SamplingPar
 
 def _prompts(deployment: Deployment, request: ChatRequest | CompletionRequest,
              engine: Engine) -> list[tuple[list[int], str | None]]:
-    """Token ids of each prompt, with its text (for echo)."""
+    """Token ids of each prompt, with its text (for echo). Blocking: rendering a chat
+    template and tokenizing megabytes take time, so ``start`` runs this on a worker thread."""
     if isinstance(request, ChatRequest):
-        text = deployment.chat_template(request.common.model).render(request.messages)
-        return [(engine.backend.tokenize(text, add_special=True), None)]
+        return [(deployment.chat_prompt(engine, request.messages), None)]
     out: list[tuple[list[int], str | None]] = []
     vocab = engine.info.vocab_size  # type: ignore[union-attr]
     for i, prompt in enumerate(request.prompts):
@@ -139,15 +152,8 @@ async def start(deployment: Deployment, request: ChatRequest | CompletionRequest
     """
     req = request.common
     session = session or req.user
-    try:
-        deployment.model(req.model)
-    except UnknownModelError:
-        raise APIError(404, f"the model {req.model!r} does not exist; see GET /v1/models",
-                       param="model", code="model_not_found") from None
-    if not deployment.ready:
-        raise APIError(503, "the model is still loading", code="not_ready", retry_after=5)
-    engine = deployment.any_engine(req.model)
-    prompts = _prompts(deployment, request, engine)
+    engine = engine_for(deployment, req.model)
+    prompts = await asyncio.to_thread(_prompts, deployment, request, engine)
     param = "messages" if isinstance(request, ChatRequest) else "prompt"
     limit = engine.max_seq_len
     runs: list[Running] = []
