@@ -6,22 +6,23 @@ prints it and exits with status 2.
 
 from __future__ import annotations
 
-import ipaddress
-import os
 import re
-import socket
-import stat
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from laya_core import budget
 from laya_core.backend import ModelConfig
+from laya_core.manifest_table import ManifestError, Table, non_empty, parse_size
 from laya_core.model_files import model_file_problem
 from laya_core.router import POLICIES
+from laya_core.server_manifest import ServerConfig, check_host_resolves, parse_server
+
+__all__ = ["EMBEDDED_MODEL", "KV_CACHE_DTYPES", "Manifest", "ManifestError", "MemoryConfig",
+           "RouterConfig", "ServerConfig", "default_manifest", "from_dict", "load",
+           "parse_size", "resolve"]
 
 if sys.version_info >= (3, 11):  # noqa: UP036 - tomli stays the fallback the brief names
     import tomllib
@@ -30,27 +31,6 @@ else:  # pragma: no cover - Python 3.10 is not supported, kept for tools that re
 
 EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
-MAX_KEY_FILE_BYTES = 2**20
-_HOSTNAME_RE = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?$")
-
-
-class ManifestError(Exception):
-    """A manifest problem; ``key`` is the path of the offending key."""
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"{key}: {message}" if key else message)
-        self.key = key
-        self.message = message
-
-
-@attrs.frozen
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_keys: tuple[str, ...] = ()
-    max_body_bytes: int = 4 * 2**20
-    shutdown_timeout_s: float = 30.0  # in-flight requests may finish this long after SIGTERM
-    body_timeout_s: float = 30.0  # a request body must arrive whole within this long
 
 
 @attrs.frozen
@@ -72,144 +52,8 @@ class Manifest:
     source: str = "<default>"
 
 
-def parse_size(text: str | int, key: str, minimum: int = 1) -> int:
-    """A size in whole bytes (:func:`laya_core.budget.parse_size`); errors name ``key``."""
-    try:
-        return budget.parse_size(text, minimum)
-    except ValueError as e:
-        raise ManifestError(key, str(e)) from None
-
-
-class _Table:
-    """Reads typed keys from one TOML table and complains about the ones left over."""
-
-    def __init__(self, data: Any, path: str) -> None:
-        if not isinstance(data, Mapping):
-            raise ManifestError(path, f"expected a table, got {type(data).__name__}")
-        self.data = dict(data)
-        self.path = path
-
-    def key(self, name: str) -> str:
-        return f"{self.path}.{name}" if self.path else name
-
-    def get(self, name: str, kind: type | tuple[type, ...], default: Any = None,
-            required: bool = False, check: Callable[[Any], str | None] | None = None) -> Any:
-        if name not in self.data:
-            if required:
-                raise ManifestError(self.key(name), "is required")
-            return default
-        value = self.data.pop(name)
-        kinds = kind if isinstance(kind, tuple) else (kind,)
-        if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
-            names = " or ".join(k.__name__ for k in kinds)
-            raise ManifestError(self.key(name), f"expected {names}, got {value!r}")
-        problem = check(value) if check else None
-        if problem:
-            raise ManifestError(self.key(name), problem)
-        return value
-
-    def int_in(self, name: str, low: int, high: int, default: int | None) -> Any:
-        def check(v: int) -> str | None:
-            return None if low <= v <= high else f"must be between {low} and {high}, got {v}"
-        return self.get(name, int, default, check=check)
-
-    def finish(self, known: tuple[str, ...]) -> None:
-        for name in self.data:
-            hint = f"; known keys: {', '.join(known)}" if known else ""
-            raise ManifestError(self.key(name), f"unknown key{hint}")
-
-
-def _non_empty(v: str) -> str | None:
-    return None if v.strip() else "must not be empty"
-
-
-def _host_problem(host: str) -> str | None:
-    if re.fullmatch(r"[\d.]+", host) or ":" in host:
-        try:
-            ipaddress.ip_address(host)
-        except ValueError:
-            return f"{host!r} is not a valid IP address (give an address or a name, no port)"
-    elif len(host) > 253 or not _HOSTNAME_RE.match(host):
-        return f"{host!r} is neither an IP address nor a valid host name"
-    return None
-
-
-def _key_problem(key: object) -> str | None:
-    """The rule every API key follows, wherever it comes from."""
-    if not isinstance(key, str) or len(key) < 8:
-        return "an API key is a string of 8+ characters"
-    return None if key.isprintable() else "an API key may not hold control characters"
-
-
-def _read_key_file(name: str) -> list[str]:
-    """Keys one a line, stripped; blank lines and lines starting with # are skipped."""
-    path = Path(name).expanduser()
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # opening a FIFO must not wait
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise ManifestError("server.api_keys_file", f"{path} is not a regular file")
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                data = f.read(MAX_KEY_FILE_BYTES + 1)
-        finally:
-            os.close(fd)
-    except OSError as e:
-        raise ManifestError("server.api_keys_file", f"cannot read {path}: {e.strerror}") from e
-    if len(data) > MAX_KEY_FILE_BYTES:
-        raise ManifestError("server.api_keys_file", f"{path} is larger than 1 MiB")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ManifestError("server.api_keys_file",
-                            f"{path} is not UTF-8 text (byte {e.start} is invalid); it must "
-                            "hold one key a line") from None
-    keys = [(n, line.strip()) for n, line in enumerate(text.splitlines(), 1)]
-    keys = [(n, k) for n, k in keys if k and not k.startswith("#")]
-    for n, k in keys:
-        if problem := _key_problem(k):
-            raise ManifestError("server.api_keys_file", f"line {n} of {path}: {problem}")
-    return [k for _, k in keys]
-
-
-def _api_keys(t: _Table) -> list[str]:
-    keys = list(t.get("api_keys", list, []))
-    for i, k in enumerate(keys):
-        if problem := _key_problem(k):
-            raise ManifestError(f"server.api_keys[{i}]", problem)
-    env = t.get("api_keys_env", str)
-    if env is not None:
-        value = os.environ.get(env)
-        if not value:
-            raise ManifestError("server.api_keys_env", f"environment variable {env} is not set")
-        env_keys = [k.strip() for k in value.split(",") if k.strip()]
-        for i, k in enumerate(env_keys):
-            if problem := _key_problem(k):
-                raise ManifestError("server.api_keys_env", f"key {i + 1} in {env}: {problem}")
-        keys += env_keys
-    key_file = t.get("api_keys_file", str)
-    return keys + (_read_key_file(key_file) if key_file is not None else [])
-
-
-def _server(data: Any) -> ServerConfig:
-    t = _Table(data, "server")
-    host = t.get("host", str, "127.0.0.1",
-                 check=lambda v: _non_empty(v) or _host_problem(v))
-    port = t.int_in("port", 0, 65535, 8000)
-    keys = _api_keys(t)
-    body = t.get("max_body_bytes", (int, str), 4 * 2**20)
-    shutdown = t.get("shutdown_timeout_s", (int, float), 30.0,
-                     check=lambda v: None if 0 <= v <= 3600 else "must be 0 to 3600 seconds")
-    body_timeout = t.get("body_timeout_s", (int, float), 30.0,
-                         check=lambda v: None if 0.1 <= v <= 3600 else "must be 0.1 to 3600 seconds")
-    t.finish(("host", "port", "api_keys", "api_keys_env", "api_keys_file", "max_body_bytes",
-              "shutdown_timeout_s", "body_timeout_s"))
-    return ServerConfig(host, port, tuple(keys),
-                        parse_size(body, "server.max_body_bytes", minimum=1024), float(shutdown),
-                        float(body_timeout))
-
-
 def _memory(data: Any) -> MemoryConfig:
-    t = _Table(data, "memory")
+    t = Table(data, "memory")
     budget = t.get("budget", (str, int), "auto")
     t.finish(("budget",))
     if budget == "auto":
@@ -218,7 +62,7 @@ def _memory(data: Any) -> MemoryConfig:
 
 
 def _router(data: Any) -> RouterConfig:
-    t = _Table(data, "router")
+    t = Table(data, "router")
     impl = t.get("impl", str)
     t.finish(("impl",))
     return RouterConfig(impl)
@@ -231,12 +75,12 @@ KV_CACHE_DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 
 
 def _model(data: Any, index: int, base_dir: Path) -> ModelConfig:
-    t = _Table(data, f"models[{index}]")
+    t = Table(data, f"models[{index}]")
     name = t.get("name", str, required=True,
                  check=lambda v: None if _NAME_RE.match(v) else
                  "use 1-128 letters, digits and . _ : / - (starting with a letter or digit)")
-    backend = t.get("backend", str, "llamacpp", check=_non_empty)
-    path = t.get("path", str, required=True, check=_non_empty)
+    backend = t.get("backend", str, "llamacpp", check=non_empty)
+    path = t.get("path", str, required=True, check=non_empty)
     if not path.startswith("embedded:"):
         p = Path(path).expanduser()
         path = str(p if p.is_absolute() else (base_dir / p))
@@ -264,8 +108,8 @@ def _model(data: Any, index: int, base_dir: Path) -> ModelConfig:
         raise ManifestError(t.key("max_step_tokens"),
                             f"must be at least max_num_seqs ({max_num_seqs}) so every running "
                             "sequence can decode each step")
-    scheduler = t.get("scheduler", str, "fcfs", check=_non_empty)
-    cache_policy = t.get("cache_policy", str, "blocks", check=_non_empty)
+    scheduler = t.get("scheduler", str, "fcfs", check=non_empty)
+    cache_policy = t.get("cache_policy", str, "blocks", check=non_empty)
     options = dict(t.get("options", dict, {}))
     t.finish(_MODEL_KEYS)
     return ModelConfig(name, backend, path, max_seq_len, max_num_seqs, replicas,
@@ -277,8 +121,8 @@ def _model(data: Any, index: int, base_dir: Path) -> ModelConfig:
 def from_dict(data: Mapping[str, Any], source: str = "<dict>",
               base_dir: Path | None = None) -> Manifest:
     """Validate a manifest already parsed from TOML. Paths are relative to ``base_dir``."""
-    t = _Table(data, "")
-    server = _server(t.get("server", dict, {}))
+    t = Table(data, "")
+    server = parse_server(t.get("server", dict, {}))
     memory = _memory(t.get("memory", dict, {}))
     router = _router(t.get("router", dict, {}))
     raw_models = t.get("models", list, required=True)
@@ -323,7 +167,7 @@ def resolve(manifest: Manifest, registry: Any, *, need_backends: bool = True) ->
     not installed here.
     """
     if need_backends:
-        _check_host_resolves(manifest.server.host)
+        check_host_resolves(manifest.server.host)
     if manifest.router.impl is not None and manifest.router.impl not in registry.routers:
         known = ", ".join(sorted(registry.routers))
         raise ManifestError("router.impl",
@@ -356,20 +200,6 @@ def resolve(manifest: Manifest, registry: Any, *, need_backends: bool = True) ->
             _check_backend_fit(backend.obj, m, path, i)
         models.append(attrs.evolve(m, path=path))
     return attrs.evolve(manifest, models=tuple(models))
-
-
-def _check_host_resolves(host: str) -> None:
-    """The host is an IP address or a name the local resolver knows (as serve will bind it)."""
-    problem = _host_problem(host)
-    numeric = socket.AI_NUMERICHOST if ":" in host or re.fullmatch(r"[\d.]+", host) else 0
-    try:
-        if not problem:
-            socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=numeric)
-    except (OSError, UnicodeError) as e:
-        problem = (f"{host!r} does not resolve on this machine ({getattr(e, 'strerror', e)}); "
-                   "give an IP address such as 127.0.0.1 or 0.0.0.0, or a known host name")
-    if problem:
-        raise ManifestError("server.host", problem)
 
 
 def _check_backend_fit(backend_cls: Any, m: ModelConfig, path: str, i: int) -> None:

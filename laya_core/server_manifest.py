@@ -1,0 +1,127 @@
+"""The manifest's ``[server]`` table: where to listen, API keys, body and shutdown limits."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import socket
+import stat
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from laya_core.manifest_table import ManifestError, Table, non_empty, parse_size
+
+MAX_KEY_FILE_BYTES = 2**20
+_HOSTNAME_RE = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?$")
+
+
+@attrs.frozen
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()
+    max_body_bytes: int = 4 * 2**20
+    shutdown_timeout_s: float = 30.0  # in-flight requests may finish this long after SIGTERM
+    body_timeout_s: float = 30.0  # a request body must arrive whole within this long
+
+
+def _host_problem(host: str) -> str | None:
+    if re.fullmatch(r"[\d.]+", host) or ":" in host:
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            return f"{host!r} is not a valid IP address (give an address or a name, no port)"
+    elif len(host) > 253 or not _HOSTNAME_RE.match(host):
+        return f"{host!r} is neither an IP address nor a valid host name"
+    return None
+
+
+def _key_problem(key: object) -> str | None:
+    """The rule every API key follows, wherever it comes from."""
+    if not isinstance(key, str) or len(key) < 8:
+        return "an API key is a string of 8+ characters"
+    return None if key.isprintable() else "an API key may not hold control characters"
+
+
+def _read_key_file(name: str) -> list[str]:
+    """Keys one a line, stripped; blank lines and lines starting with # are skipped."""
+    path = Path(name).expanduser()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # opening a FIFO must not wait
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ManifestError("server.api_keys_file", f"{path} is not a regular file")
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                data = f.read(MAX_KEY_FILE_BYTES + 1)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise ManifestError("server.api_keys_file", f"cannot read {path}: {e.strerror}") from e
+    if len(data) > MAX_KEY_FILE_BYTES:
+        raise ManifestError("server.api_keys_file", f"{path} is larger than 1 MiB")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ManifestError("server.api_keys_file",
+                            f"{path} is not UTF-8 text (byte {e.start} is invalid); it must "
+                            "hold one key a line") from None
+    keys = [(n, line.strip()) for n, line in enumerate(text.splitlines(), 1)]
+    keys = [(n, k) for n, k in keys if k and not k.startswith("#")]
+    for n, k in keys:
+        if problem := _key_problem(k):
+            raise ManifestError("server.api_keys_file", f"line {n} of {path}: {problem}")
+    return [k for _, k in keys]
+
+
+def _api_keys(t: Table) -> list[str]:
+    keys = list(t.get("api_keys", list, []))
+    for i, k in enumerate(keys):
+        if problem := _key_problem(k):
+            raise ManifestError(f"server.api_keys[{i}]", problem)
+    env = t.get("api_keys_env", str)
+    if env is not None:
+        value = os.environ.get(env)
+        if not value:
+            raise ManifestError("server.api_keys_env", f"environment variable {env} is not set")
+        env_keys = [k.strip() for k in value.split(",") if k.strip()]
+        for i, k in enumerate(env_keys):
+            if problem := _key_problem(k):
+                raise ManifestError("server.api_keys_env", f"key {i + 1} in {env}: {problem}")
+        keys += env_keys
+    key_file = t.get("api_keys_file", str)
+    return keys + (_read_key_file(key_file) if key_file is not None else [])
+
+
+def parse_server(data: Any) -> ServerConfig:
+    t = Table(data, "server")
+    host = t.get("host", str, "127.0.0.1",
+                 check=lambda v: non_empty(v) or _host_problem(v))
+    port = t.int_in("port", 0, 65535, 8000)
+    keys = _api_keys(t)
+    body = t.get("max_body_bytes", (int, str), 4 * 2**20)
+    shutdown = t.get("shutdown_timeout_s", (int, float), 30.0,
+                     check=lambda v: None if 0 <= v <= 3600 else "must be 0 to 3600 seconds")
+    body_timeout = t.get("body_timeout_s", (int, float), 30.0,
+                         check=lambda v: None if 0.1 <= v <= 3600 else "must be 0.1 to 3600 seconds")
+    t.finish(("host", "port", "api_keys", "api_keys_env", "api_keys_file", "max_body_bytes",
+              "shutdown_timeout_s", "body_timeout_s"))
+    return ServerConfig(host, port, tuple(keys),
+                        parse_size(body, "server.max_body_bytes", minimum=1024), float(shutdown),
+                        float(body_timeout))
+
+
+def check_host_resolves(host: str) -> None:
+    """The host is an IP address or a name the local resolver knows (as serve will bind it)."""
+    problem = _host_problem(host)
+    numeric = socket.AI_NUMERICHOST if ":" in host or re.fullmatch(r"[\d.]+", host) else 0
+    try:
+        if not problem:
+            socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=numeric)
+    except (OSError, UnicodeError) as e:
+        problem = (f"{host!r} does not resolve on this machine ({getattr(e, 'strerror', e)}); "
+                   "give an IP address such as 127.0.0.1 or 0.0.0.0, or a known host name")
+    if problem:
+        raise ManifestError("server.host", problem)
