@@ -66,7 +66,7 @@ class Deployment:
                 replica = len(self.engines)
                 self.engines.append(Engine(config, backend_cls(config), scheduler_cls,
                                            cache_cls, replica_id=replica,
-                                           on_loaded=self._probe_template))
+                                           on_loaded=self._loaded))
                 self.router.add_replica(config.name, replica)
             self.router.set_policy(config.name, config.routing)
 
@@ -132,6 +132,13 @@ class Deployment:
                                lambda m: self.render_chat(engine, m, add_generation_prompt),
                                engine.backend.tokenize, info.special_tokens, add_special)
 
+    def _loaded(self, engine: Engine) -> None:
+        """On the engine's thread, once its model has loaded: test the chat template, then
+        log how the backend runs (Backend.describe)."""
+        self._probe_template(engine)
+        log.info("%s replica %d ready: %s", engine.config.name, engine.replica_id,
+                 "; ".join(f"{k} {_plain(v)}" for k, v in engine.runtime().items()) or "-")
+
     def _probe_template(self, engine: Engine) -> None:
         """Refuse a model whose chat template cannot render a plain conversation within the
         sandbox's bounds; runs on the engine's thread once the model has loaded."""
@@ -147,3 +154,12 @@ class Deployment:
                     from None
         raise TemplateError("the model's chat template refused every test conversation: "
                             + "; ".join(refusals))
+
+
+def _plain(value: object) -> str:
+    """A log line's rendering of a JSON-like value."""
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_plain(v)}" for k, v in value.items()) or "-"
+    if isinstance(value, (list, tuple)):
+        return " ".join(str(v) for v in value) or "-"
+    return str(value)

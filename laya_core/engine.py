@@ -225,8 +225,6 @@ class Engine:
             return
         self.state = EngineState.READY
         self._ready.set()
-        log.info("%s replica %d ready: %s", self.config.name, self.replica_id,
-                 "; ".join(f"{k} {_plain(v)}" for k, v in self.runtime().items()) or "-")
         try:
             while self._drain_inbox(block=not self.scheduler.has_work):  # type: ignore[union-attr]
                 self._step()
@@ -384,14 +382,6 @@ class Engine:
         seq.finished_time = time.perf_counter()
         del self._live[seq.seq_id]
         self._emit(live, TokenEvent(text, token_ids, reason, error, _timing(seq), samples=samples))
-
-
-def _plain(value: object) -> str:
-    if isinstance(value, dict):
-        return ", ".join(f"{k} {_plain(v)}" for k, v in value.items()) or "-"
-    if isinstance(value, (list, tuple)):
-        return " ".join(str(v) for v in value) or "-"
-    return str(value)
 
 
 def _timing(seq: Sequence) -> Timing:
