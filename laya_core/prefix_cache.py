@@ -11,6 +11,7 @@ import collections
 from collections.abc import Iterable, Sequence
 
 MIN_REUSE_TOKENS = 16  # shorter matches are not worth the copy
+MIN_TAIL_TOKENS = 2  # prompt tokens a reuse leaves to compute
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -61,11 +62,12 @@ def best_match(prompt: Sequence[int],
                candidates: Iterable[tuple[int, Sequence[int]]]) -> tuple[int, int] | None:
     """(slot, tokens to reuse) of the candidate sharing the longest prefix with ``prompt``.
 
-    At least one prompt token is always left to compute, so the model produces logits to
-    sample the first new token from.
+    At least two prompt tokens are always left to compute: one gives the logits to sample
+    the first new token from, and a last chunk of a single token takes other kernel paths
+    than the longer chunk the first answer came from (see ``Sequence.tokens_to_compute``).
     """
     best: tuple[int, int] | None = None
-    limit = len(prompt) - 1
+    limit = len(prompt) - MIN_TAIL_TOKENS
     for slot, tokens in candidates:
         n = min(common_prefix_len(prompt, tokens), limit)
         if n >= MIN_REUSE_TOKENS and (best is None or n > best[1]):

@@ -344,6 +344,7 @@ class FcfsScheduler(Scheduler):
             if budget == 0:
                 break
             tokens = seq.tokens_to_compute(budget)
-            chunks.append(Chunk(seq, tokens, seq.num_computed))
-            budget -= len(tokens)
+            if tokens:  # empty: a prompt that waits rather than leave a lone last token
+                chunks.append(Chunk(seq, tokens, seq.num_computed))
+                budget -= len(tokens)
         return chunks

@@ -10,7 +10,7 @@ from toy_backend import ToyBackend
 from laya_core.backend import ModelConfig
 from laya_core.cache import BlockCachePolicy
 from laya_core.engine import Engine
-from laya_core.prefix_cache import MIN_REUSE_TOKENS, best_match, common_prefix_len
+from laya_core.prefix_cache import MIN_REUSE_TOKENS, MIN_TAIL_TOKENS, best_match, common_prefix_len
 from laya_core.scheduler import FcfsScheduler, SchedulerConfig
 from laya_core.sequence import Sequence
 from laya_core.types import SamplingParams
@@ -23,10 +23,10 @@ def test_common_prefix_len() -> None:
     assert common_prefix_len(list(range(1000)), [*range(777), -1]) == 777
 
 
-def test_best_match_leaves_one_token_and_ignores_short_matches() -> None:
+def test_best_match_leaves_two_tokens_and_ignores_short_matches() -> None:
     prompt = list(range(40))
     assert best_match(prompt, [(0, list(range(10))), (1, list(range(30)))]) == (1, 30)
-    assert best_match(prompt, [(0, list(range(100)))]) == (0, 39)
+    assert best_match(prompt, [(0, list(range(100)))]) == (0, 38)  # a last chunk of 2
     assert best_match(prompt, [(0, list(range(MIN_REUSE_TOKENS - 1)))]) is None
 
 
@@ -111,7 +111,7 @@ def test_a_shorter_match_copies_and_keeps_the_cached_conversation() -> None:
     again = seq(3, [*SYSTEM, *range(1, 30)])
     s.add(again)
     s.schedule()
-    assert again.reuse == (first.slot, len(again.prompt_token_ids) - 1)
+    assert again.reuse == (first.slot, len(again.prompt_token_ids) - MIN_TAIL_TOKENS)
 
 
 def test_a_repeated_answer_is_cached_once_and_a_new_answer_replaces_the_old() -> None:

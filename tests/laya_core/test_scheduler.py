@@ -101,3 +101,36 @@ def test_block_policy_accounting() -> None:
     cache.free(1)
     cache.free(1)  # freeing twice is harmless
     assert cache.num_used_blocks == 0 and cache.usage == 0.0
+
+
+def test_a_prompt_never_ends_in_a_one_token_chunk() -> None:
+    """llama.cpp computes a one-token batch with other kernels: 64 + 1 would answer otherwise
+    than 63 + 2 or 61 + 4, so the last chunk of a prompt always has two tokens or more."""
+    s = scheduler(pool_tokens=1024, step=64)
+    alone = seq(65)
+    s.add(alone)
+    sizes = []
+    while alone.is_prefilling:
+        chunks = s.schedule()
+        sizes.append(len(chunks[0].tokens))
+        advance(chunks)
+    assert sizes == [63, 2]
+    single = seq(1)  # a one-token prompt has no other way
+    s.add(single)
+    assert [len(c.tokens) for c in s.schedule() if c.seq is single] == [1]
+
+
+def test_a_prompt_waits_rather_than_leave_a_lone_last_token() -> None:
+    s = scheduler(pool_tokens=1024, step=4)
+    decoding = [seq(1, 50) for _ in range(3)]
+    for d in decoding:
+        s.add(d)
+    advance(s.schedule())  # three sequences decode from now on: 1 token of budget is left
+    late = seq(2)
+    s.add(late)
+    chunks = s.schedule()
+    assert [c.seq for c in chunks] == decoding  # 1 token of 2 would leave a lone last one
+    advance(chunks)
+    s.finish(decoding[0])
+    chunks = s.schedule()
+    assert [len(c.tokens) for c in chunks if c.seq is late] == [2]

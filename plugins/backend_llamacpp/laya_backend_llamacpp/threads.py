@@ -21,8 +21,8 @@ long.
 
 A change of thread count can change a greedy output in its last bits: llama.cpp's CPU flash
 attention splits the KV range among the threads (measured: 1 and 2 threads agreed for 66
-tokens, then diverged), so ``n_threads`` set to a number is the way to outputs that never
-depend on the machine's load. Polling or priority settings of ggml's own thread
+tokens, then diverged), so ``n_threads`` set to a number, or flash attention off, is the
+way to outputs that never depend on the machine's load. Polling or priority settings of ggml's own thread
 pool do not help here: the OpenMP build (llama-cpp-python's default) waits in OpenMP's
 barrier, and raising priority needs real-time scheduling and privileges.
 """
