@@ -26,6 +26,15 @@ BOOM = ("{% for m in messages %}{% if m['content'] == 'boom' %}" + LOOP_FOREVER 
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+def assert_responsive(health_s: list[float]) -> None:
+    """/health answered promptly throughout. The bound is loose on purpose: on 2 cores the
+    clients and the tokenizer threads also take CPU from the event loop's thread, so a
+    probe can wait a scheduler slice; a loop blocked by the work itself waited seconds
+    (2-3 s per 4 MiB prompt tokenized on the loop, for ever behind a looping template)."""
+    ordered = sorted(health_s)
+    assert ordered[len(ordered) // 2] < 0.1 and ordered[-1] < 1.0, health_s
+
+
 def model_with_template(tmp_path: Path, name: str, template: str) -> Path:
     return with_metadata(embedded(), tmp_path / f"{name}.gguf", "tokenizer.chat_template",
                          template, "str")
@@ -116,7 +125,7 @@ def test_a_template_that_loops_on_some_content_fails_that_request_only(
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "messages" and "longer than 2 s" in error["message"]
-    assert max(health) < 0.1, health  # the event loop never waited on the template
+    assert_responsive(health)  # the event loop never waited on the template
     assert chat(two_models.url, "boom", "hi").status_code == 200  # the sandbox is back
 
 
@@ -159,4 +168,5 @@ def test_health_stays_fast_while_four_clients_send_4_mib_prompts(
             time.sleep(0.05)
     statuses = [c.communicate()[0].strip() for c in clients]
     assert statuses == ["400"] * 4  # far longer than max_seq_len, found once tokenized
-    assert len(health) > 5 and max(health) < 0.1, health
+    assert len(health) > 5
+    assert_responsive(health)
