@@ -20,7 +20,9 @@ KV_DTYPES = {"f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4
 # The Python interpreter, Laya, the HTTP stack and the backend libraries, once per process.
 # Measured: 54 MiB after importing everything with llama_cpp; the rest is thread stacks and
 # allocator slack under load.
-RUNTIME_OVERHEAD_BYTES = 96 * 2**20
+# Plus the chat-template sandbox, a child process in the same cgroup, at its address-space
+# cap (laya_core/template_sandbox.py; about 22 MiB resident when idle).
+RUNTIME_OVERHEAD_BYTES = 96 * 2**20 + 64 * 2**20
 DEFAULT_MAX_SEQ_LEN = 4096
 DEFAULT_MAX_NUM_SEQS = 4
 

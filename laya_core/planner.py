@@ -160,7 +160,7 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"  replica total      {fmt_bytes(r.total_bytes):>12}")
     lines += [
         f"runtime              {fmt_bytes(plan.runtime_bytes):>12}   Python, HTTP server, "
-        "libraries (once per process)",
+        "libraries (once per process); the chat-template sandbox (64 MiB cap)",
         f"total                {fmt_bytes(plan.total_bytes):>12}",
         f"budget               {fmt_bytes(plan.budget.bytes):>12}   {plan.budget.source}",
     ]

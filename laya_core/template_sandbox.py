@@ -37,7 +37,7 @@ class RenderLimits:
 
     timeout_s: float = 2.0
     max_output_chars: int = 4 * 2**20
-    memory_bytes: int = 64 * 2**20  # the child's whole address space
+    memory_bytes: int = 64 * 2**20  # the child's whole address space (the memory plan counts it)
 
     def __attrs_post_init__(self) -> None:
         if self.memory_bytes <= _CHILD_BASE_BYTES:

@@ -24,7 +24,7 @@ host = "127.0.0.1"
 port = {port}
 
 [memory]
-budget = "320MiB"
+budget = "384MiB"  # room for the same KV pool as before the 64 MiB template sandbox
 
 [[models]]
 name = "smollm2"
