@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -75,16 +76,23 @@ max_num_seqs = 8
 """
 
 
-@pytest.fixture(scope="session")
-def smollm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """One real server of the embedded model for the whole session."""
-    server = ServerProcess(SMOLLM_MANIFEST, tmp_path_factory.mktemp("smollm_server"))
+@contextlib.contextmanager
+def serving(manifest_text: str, workdir: Path) -> Iterator[ServerProcess]:
+    """A ready ``laya serve`` of ``manifest_text``; stopped afterwards, and it must exit 0."""
+    server = ServerProcess(manifest_text, workdir)
     try:
         server.wait_ready()
         yield server
     finally:
         code = server.stop()
     assert code == 0, f"server exited with {code}:\n{server.log()}"
+
+
+@pytest.fixture(scope="session")
+def smollm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One real server of the embedded model for the whole session."""
+    with serving(SMOLLM_MANIFEST, tmp_path_factory.mktemp("smollm_server")) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

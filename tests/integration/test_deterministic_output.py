@@ -20,22 +20,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ServerProcess
+from conftest import SMOLLM_MANIFEST, ServerProcess, serving
 
-MANIFEST = """
-[server]
-host = "127.0.0.1"
-port = {port}
-
-[[models]]
-name = "smollm2"
-path = "embedded:smollm2-135m-instruct"
-max_seq_len = 2048
-max_num_seqs = 4
-[models.options]
-flash_attn = false
-n_threads = 2
-"""
+# The session server's model, with exact repeatability switched on.
+MANIFEST = SMOLLM_MANIFEST + "[models.options]\nflash_attn = false\nn_threads = 2\n"
 MEETING = ("The following is a detailed transcript of a meeting about the quarterly budget, "
            "covering marketing, engineering, sales and support expenses, with action items for "
            "each department. ")
@@ -43,12 +31,8 @@ MEETING = ("The following is a detailed transcript of a meeting about the quarte
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    s = ServerProcess(MANIFEST, Path(tmp_path_factory.mktemp("deterministic")))
-    try:
-        s.wait_ready()
+    with serving(MANIFEST, Path(tmp_path_factory.mktemp("deterministic"))) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def greedy(server: ServerProcess, prompt: str | list[int],

@@ -9,18 +9,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import SMOLLM_MANIFEST, ServerProcess
+from conftest import SMOLLM_MANIFEST, ServerProcess, serving
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     manifest = SMOLLM_MANIFEST.replace('port = {port}\n', 'port = {port}\nbody_timeout_s = 1\n')
-    s = ServerProcess(manifest, Path(tmp_path_factory.mktemp("slow_clients")))
-    try:
-        s.wait_ready()
+    with serving(manifest, Path(tmp_path_factory.mktemp("slow_clients"))) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def send_slowly(server: ServerProcess, parts: list[bytes], gap_s: float) -> tuple[bytes, float]:
