@@ -26,6 +26,12 @@ class ServerConfig:
     max_body_bytes: int = 4 * 2**20
     shutdown_timeout_s: float = 30.0  # in-flight requests may finish this long after SIGTERM
     body_timeout_s: float = 30.0  # a request body must arrive whole within this long
+    access_log: bool = True  # one log line per request
+    # Origins a browser may call from (CORS); () is off, ("*",) is any origin.
+    cors_origins: tuple[str, ...] = ()
+    # With API keys set, /metrics needs one too unless this is false (a Prometheus scraper
+    # on a private network may not hold a key).
+    metrics_need_api_key: bool = True
 
 
 def _host_problem(host: str) -> str | None:
@@ -106,11 +112,31 @@ def parse_server(data: Any) -> ServerConfig:
                      check=lambda v: None if 0 <= v <= 3600 else "must be 0 to 3600 seconds")
     body_timeout = t.get("body_timeout_s", (int, float), 30.0,
                          check=lambda v: None if 0.1 <= v <= 3600 else "must be 0.1 to 3600 seconds")
+    access_log = t.get("access_log", bool, True)
+    cors = t.get("cors_origins", list, [])
+    for i, origin in enumerate(cors):
+        if problem := cors_origin_problem(origin):
+            raise ManifestError(f"server.cors_origins[{i}]", problem)
+    metrics_key = t.get("metrics_need_api_key", bool, True)
     t.finish(("host", "port", "api_keys", "api_keys_env", "api_keys_file", "max_body_bytes",
-              "shutdown_timeout_s", "body_timeout_s"))
+              "shutdown_timeout_s", "body_timeout_s", "access_log", "cors_origins",
+              "metrics_need_api_key"))
     return ServerConfig(host, port, tuple(keys),
                         parse_size(body, "server.max_body_bytes", minimum=1024), float(shutdown),
-                        float(body_timeout))
+                        float(body_timeout), access_log, tuple(cors), metrics_key)
+
+
+_ORIGIN_RE = re.compile(r"^https?://[A-Za-z0-9.\-\[\]:]+$")
+
+
+def cors_origin_problem(origin: object) -> str | None:
+    """An origin as browsers send it (scheme://host[:port], no path), or "*" for any."""
+    if origin == "*":
+        return None
+    if not isinstance(origin, str) or not _ORIGIN_RE.match(origin):
+        return (f"{origin!r} is not an origin: give scheme://host[:port] with no path "
+                "(\"https://app.example.com\", \"http://localhost:3000\") or \"*\" for any")
+    return None
 
 
 def check_host_resolves(host: str) -> None:
