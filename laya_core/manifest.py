@@ -15,14 +15,20 @@ from typing import Any
 import attrs
 
 from laya_core.backend import ModelConfig
-from laya_core.manifest_table import ManifestError, Table, non_empty, parse_size
+from laya_core.manifest_table import (
+    ManifestError,
+    Problems,
+    Table,
+    non_empty,
+    parse_size,
+)
 from laya_core.model_files import model_file_problem
 from laya_core.router import POLICIES
 from laya_core.server_manifest import ServerConfig, check_host_resolves, parse_server
 
-__all__ = ["EMBEDDED_MODEL", "KV_CACHE_DTYPES", "Manifest", "ManifestError", "MemoryConfig",
-           "RouterConfig", "ServerConfig", "default_manifest", "from_dict", "load",
-           "parse_size", "resolve"]
+__all__ = ["EMBEDDED_MODEL", "KV_CACHE_DTYPES", "MODEL_KEYS", "Manifest", "ManifestError",
+           "MemoryConfig", "RouterConfig", "ServerConfig", "build", "default_manifest",
+           "from_dict", "load", "parse_size", "read_toml", "resolve"]
 
 if sys.version_info >= (3, 11):  # noqa: UP036 - tomli stays the fallback the brief names
     import tomllib
@@ -50,47 +56,54 @@ class Manifest:
     router: RouterConfig
     models: tuple[ModelConfig, ...]
     source: str = "<default>"
+    # Each model's index among the file's [[models]] (for key paths in messages).
+    model_index: Mapping[str, int] = attrs.field(factory=dict, eq=False)
 
 
-def _memory(data: Any) -> MemoryConfig:
-    t = Table(data, "memory")
+def _memory(data: Any, problems: Problems) -> MemoryConfig:
+    t = Table(data, "memory", problems)
     budget = t.get("budget", (str, int), "auto")
     t.finish(("budget",))
     if budget == "auto":
         return MemoryConfig(None)
-    return MemoryConfig(parse_size(budget, "memory.budget", minimum=2**20))
+    with problems.guard():
+        return MemoryConfig(parse_size(budget, "memory.budget", minimum=2**20))
+    return MemoryConfig(None)
 
 
-def _router(data: Any) -> RouterConfig:
-    t = Table(data, "router")
+def _router(data: Any, problems: Problems) -> RouterConfig:
+    t = Table(data, "router", problems)
     impl = t.get("impl", str)
     t.finish(("impl",))
     return RouterConfig(impl)
 
 
-_MODEL_KEYS = ("name", "backend", "path", "max_seq_len", "max_num_seqs", "kv_cache_tokens",
-               "kv_cache_dtype", "prefix_caching", "routing", "replicas", "max_step_tokens", "max_queue", "queue_timeout_s",
-               "scheduler", "cache_policy", "options")
+MODEL_KEYS = ("name", "backend", "path", "max_seq_len", "max_num_seqs", "kv_cache_tokens",
+              "kv_cache_dtype", "prefix_caching", "routing", "replicas", "max_step_tokens",
+              "max_queue", "queue_timeout_s", "scheduler", "cache_policy", "options")
 KV_CACHE_DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 
 
-def _model(data: Any, index: int, base_dir: Path) -> ModelConfig:
-    t = Table(data, f"models[{index}]")
-    name = t.get("name", str, required=True,
-                 check=lambda v: None if _NAME_RE.match(v) else
-                 "use 1-128 letters, digits and . _ : / - (starting with a letter or digit)")
+def _name_problem(v: str) -> str | None:
+    return None if _NAME_RE.match(v) else \
+        "use 1-128 letters, digits and . _ : / - (starting with a letter or digit)"
+
+
+def _model(data: Any, index: int, base_dir: Path, problems: Problems) -> ModelConfig | None:
+    """One ``[[models]]`` entry; None when it is too broken to check further."""
+    t = Table(data, f"models[{index}]", problems)
+    name = t.get("name", str, required=True, check=_name_problem)
     backend = t.get("backend", str, "llamacpp", check=non_empty)
     path = t.get("path", str, required=True, check=non_empty)
-    if not path.startswith("embedded:"):
+    if path is not None and not path.startswith("embedded:"):
         p = Path(path).expanduser()
         path = str(p if p.is_absolute() else (base_dir / p))
     max_seq_len = t.int_in("max_seq_len", 16, 1 << 20, None)
     max_num_seqs = t.int_in("max_num_seqs", 1, 256, None)
     kv_cache_tokens = t.int_in("kv_cache_tokens", 16, 1 << 30, None)
     if kv_cache_tokens is not None and max_seq_len is not None and kv_cache_tokens < max_seq_len:
-        raise ManifestError(t.key("kv_cache_tokens"),
-                            f"{kv_cache_tokens} tokens cannot hold one sequence of max_seq_len "
-                            f"{max_seq_len}; raise it or lower max_seq_len")
+        t.problem("kv_cache_tokens", f"{kv_cache_tokens} tokens cannot hold one sequence of "
+                  f"max_seq_len {max_seq_len}; raise it or lower max_seq_len")
     kv_cache_dtype = t.get("kv_cache_dtype", str, "f16",
                            check=lambda v: None if v in KV_CACHE_DTYPES else
                            f"must be one of {', '.join(KV_CACHE_DTYPES)}")
@@ -105,52 +118,90 @@ def _model(data: Any, index: int, base_dir: Path) -> ModelConfig:
                             check=lambda v: None if 0 < v <= 3600 else
                             "must be between 0 and 3600 seconds")
     if max_num_seqs is not None and max_step_tokens < max_num_seqs:
-        raise ManifestError(t.key("max_step_tokens"),
-                            f"must be at least max_num_seqs ({max_num_seqs}) so every running "
-                            "sequence can decode each step")
+        t.problem("max_step_tokens", f"must be at least max_num_seqs ({max_num_seqs}) so every "
+                  "running sequence can decode each step")
     scheduler = t.get("scheduler", str, "fcfs", check=non_empty)
     cache_policy = t.get("cache_policy", str, "blocks", check=non_empty)
     options = dict(t.get("options", dict, {}))
-    t.finish(_MODEL_KEYS)
+    t.finish(MODEL_KEYS)
+    if name is None or path is None:
+        return None
     return ModelConfig(name, backend, path, max_seq_len, max_num_seqs, replicas,
                        max_step_tokens, scheduler, cache_policy, kv_cache_tokens,
                        kv_cache_dtype, prefix_caching, routing, max_queue,
                        float(queue_timeout_s), options)
 
 
-def from_dict(data: Mapping[str, Any], source: str = "<dict>",
-              base_dir: Path | None = None) -> Manifest:
-    """Validate a manifest already parsed from TOML. Paths are relative to ``base_dir``."""
-    t = Table(data, "")
-    server = parse_server(t.get("server", dict, {}))
-    memory = _memory(t.get("memory", dict, {}))
-    router = _router(t.get("router", dict, {}))
+def _from_dict(data: Mapping[str, Any], source: str, base_dir: Path,
+               problems: Problems) -> Manifest:
+    """Read every table, recording problems; broken model entries are left out."""
+    t = Table(data, "", problems)
+    server = parse_server(t.get("server", dict, {}), problems)
+    memory = _memory(t.get("memory", dict, {}), problems)
+    router = _router(t.get("router", dict, {}), problems)
     raw_models = t.get("models", list, required=True)
     t.finish(("server", "memory", "router", "models"))
-    if not raw_models:
-        raise ManifestError("models", "list at least one [[models]] entry")
-    models = tuple(_model(m, i, base_dir or Path.cwd()) for i, m in enumerate(raw_models))
+    if raw_models == []:
+        problems.add("models", "list at least one [[models]] entry")
+    models: list[ModelConfig] = []
     seen: dict[str, int] = {}
-    for i, m in enumerate(models):
+    for i, raw in enumerate(raw_models or ()):
+        m = None
+        with problems.guard():
+            m = _model(raw, i, base_dir, problems)
+        if m is None:
+            continue
         if m.name in seen:
-            raise ManifestError(f"models[{i}].name",
-                                f"{m.name!r} is already the name of models[{seen[m.name]}]")
+            problems.add(f"models[{i}].name",
+                         f"{m.name!r} is already the name of models[{seen[m.name]}]")
+            continue
         seen[m.name] = i
-    return Manifest(server, memory, router, models, source)
+        models.append(m)
+    return Manifest(server, memory, router, tuple(models), source, seen)
+
+
+def from_dict(data: Mapping[str, Any], source: str = "<dict>",
+              base_dir: Path | None = None) -> Manifest:
+    """Validate a manifest already parsed from TOML. Paths are relative to ``base_dir``.
+
+    Raises one :class:`ManifestError` holding every problem found."""
+    problems = Problems()
+    manifest = _from_dict(data, source, base_dir or Path.cwd(), problems)
+    problems.raise_if_any()
+    return manifest
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A manifest file's TOML, not yet validated."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ManifestError("", f"{p} is not a manifest: it is not UTF-8 text (byte {e.start} "
+                            "is invalid)") from None
+    except OSError as e:
+        raise ManifestError("", f"cannot read manifest {p}: {e.strerror or e}") from e
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ManifestError("", f"{p} is not valid TOML: {e}") from e
 
 
 def load(path: str | Path) -> Manifest:
     """Read and validate a manifest file."""
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ManifestError("", f"cannot read manifest {p}: {e.strerror or e}") from e
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ManifestError("", f"{p} is not valid TOML: {e}") from e
-    return from_dict(data, str(p), p.resolve().parent)
+    return from_dict(read_toml(p), str(p), p.resolve().parent)
+
+
+def build(data: Mapping[str, Any], registry: Any, *, source: str = "<dict>",
+          base_dir: Path | None = None, need_backends: bool = True) -> Manifest:
+    """Validate and :func:`resolve` in one pass: one :class:`ManifestError` lists every problem
+    of both, so a manifest's mistakes all show in one run."""
+    problems = Problems()
+    manifest = _from_dict(data, source, base_dir or Path.cwd(), problems)
+    manifest = _resolve(manifest, registry, need_backends, problems)
+    problems.raise_if_any()
+    return manifest
 
 
 def default_manifest(host: str = "127.0.0.1", port: int = 8000) -> Manifest:
@@ -164,55 +215,74 @@ def resolve(manifest: Manifest, registry: Any, *, need_backends: bool = True) ->
 
     ``registry`` is a :class:`laya_core.plugins.Registry`. Returns the manifest with every model
     path resolved to a file. ``need_backends=False`` lets a plan be made for a backend that is
-    not installed here.
+    not installed here. Raises one :class:`ManifestError` holding every problem.
     """
+    problems = Problems()
+    manifest = _resolve(manifest, registry, need_backends, problems)
+    problems.raise_if_any()
+    return manifest
+
+
+def _resolve(manifest: Manifest, registry: Any, need_backends: bool,
+             problems: Problems) -> Manifest:
     if need_backends:
-        check_host_resolves(manifest.server.host)
+        with problems.guard():
+            check_host_resolves(manifest.server.host)
     if manifest.router.impl is not None and manifest.router.impl not in registry.routers:
         known = ", ".join(sorted(registry.routers))
-        raise ManifestError("router.impl",
-                            f"no router {manifest.router.impl!r} is installed; known: {known}")
+        problems.add("router.impl",
+                     f"no router {manifest.router.impl!r} is installed; known: {known}")
     models = []
     for i, m in enumerate(manifest.models):
-        for key, family in (("backend", registry.backends), ("scheduler", registry.schedulers),
-                            ("cache_policy", registry.cache_policies)):
-            chosen = getattr(m, key)
-            if key == "backend" and not need_backends:
-                continue
-            if chosen not in family:
-                known = ", ".join(sorted(family)) or "none"
-                raise ManifestError(f"models[{i}].{key}",
-                                    f"no {key.replace('_', ' ')} {chosen!r} is installed "
-                                    f"(installed: {known}); install its plugin or fix the name")
-        backend = registry.backends.get(m.backend)
-        if backend and m.kv_cache_dtype not in backend.obj.kv_cache_dtypes:
-            raise ManifestError(f"models[{i}].kv_cache_dtype",
-                                f"the {m.backend} backend cannot store a {m.kv_cache_dtype} KV "
-                                f"cache; it supports {', '.join(backend.obj.kv_cache_dtypes)}")
-        try:
-            resolved = registry.resolve_model_path(m.path)
-        except LookupError as e:
-            raise ManifestError(f"models[{i}].path", str(e)) from e
-        path = resolved or m.path
-        if problem := model_file_problem(path):
-            raise ManifestError(f"models[{i}].path", problem)
-        if backend and need_backends:
-            _check_backend_fit(backend.obj, m, path, i)
-        models.append(attrs.evolve(m, path=path))
+        index = _index_of(manifest, m, i)
+        with problems.guard():
+            models.append(_resolve_model(m, index, registry, need_backends, problems))
     return attrs.evolve(manifest, models=tuple(models))
 
 
-def _check_backend_fit(backend_cls: Any, m: ModelConfig, path: str, i: int) -> None:
-    """The model file and the options suit the chosen backend."""
-    problem = backend_cls.check_model_path(path)
-    if problem:
+def _index_of(manifest: Manifest, m: ModelConfig, position: int) -> int:
+    """A model's index in the file (broken entries before it were left out)."""
+    return manifest.model_index.get(m.name, position)
+
+
+def _resolve_model(m: ModelConfig, i: int, registry: Any, need_backends: bool,
+                   problems: Problems) -> ModelConfig:
+    for key, family in (("backend", registry.backends), ("scheduler", registry.schedulers),
+                        ("cache_policy", registry.cache_policies)):
+        chosen = getattr(m, key)
+        if key == "backend" and not need_backends:
+            continue
+        if chosen not in family:
+            known = ", ".join(sorted(family)) or "none"
+            problems.add(f"models[{i}].{key}",
+                         f"no {key.replace('_', ' ')} {chosen!r} is installed "
+                         f"(installed: {known}); install its plugin or fix the name")
+    backend = registry.backends.get(m.backend)
+    if backend and m.kv_cache_dtype not in backend.obj.kv_cache_dtypes:
+        problems.add(f"models[{i}].kv_cache_dtype",
+                     f"the {m.backend} backend cannot store a {m.kv_cache_dtype} KV "
+                     f"cache; it supports {', '.join(backend.obj.kv_cache_dtypes)}")
+    if backend and need_backends:
+        _check_options(backend.obj, m, i, problems)
+    try:
+        resolved = registry.resolve_model_path(m.path)
+    except LookupError as e:
+        raise ManifestError(f"models[{i}].path", str(e)) from e
+    path = resolved or m.path
+    if problem := model_file_problem(path):
         raise ManifestError(f"models[{i}].path", problem)
+    if backend and need_backends and (problem := backend.obj.check_model_path(path)):
+        raise ManifestError(f"models[{i}].path", problem)
+    return attrs.evolve(m, path=path)
+
+
+def _check_options(backend_cls: Any, m: ModelConfig, i: int, problems: Problems) -> None:
+    """The options suit the chosen backend."""
     for name in m.options:
         if name not in backend_cls.option_names:
             known = ", ".join(sorted(backend_cls.option_names)) or "none"
-            raise ManifestError(f"models[{i}].options.{name}",
-                                f"the {m.backend} backend has no option {name!r}; its "
-                                f"options are: {known}")
-        problem = backend_cls.check_option(name, m.options[name])
-        if problem:
-            raise ManifestError(f"models[{i}].options.{name}", problem)
+            problems.add(f"models[{i}].options.{name}",
+                         f"the {m.backend} backend has no option {name!r}; its "
+                         f"options are: {known}")
+        elif problem := backend_cls.check_option(name, m.options[name]):
+            problems.add(f"models[{i}].options.{name}", problem)

@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from laya_core.manifest_table import ManifestError, Table, non_empty, parse_size
+from laya_core.manifest_table import ManifestError, Problems, Table, non_empty, parse_size
 
 MAX_KEY_FILE_BYTES = 2**20
 _HOSTNAME_RE = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?$")
@@ -82,32 +82,43 @@ def _read_key_file(name: str) -> list[str]:
     return [k for _, k in keys]
 
 
-def _api_keys(t: Table) -> list[str]:
-    keys = list(t.get("api_keys", list, []))
+def _env_keys(env: str) -> list[str]:
+    value = os.environ.get(env)
+    if not value:
+        raise ManifestError("server.api_keys_env", f"environment variable {env} is not set")
+    keys = [k.strip() for k in value.split(",") if k.strip()]
     for i, k in enumerate(keys):
         if problem := _key_problem(k):
-            raise ManifestError(f"server.api_keys[{i}]", problem)
+            raise ManifestError("server.api_keys_env", f"key {i + 1} in {env}: {problem}")
+    return keys
+
+
+def _api_keys(t: Table) -> list[str]:
+    keys = []
+    for i, k in enumerate(t.get("api_keys", list, [])):
+        if problem := _key_problem(k):
+            t.problem(f"api_keys[{i}]", problem)
+        else:
+            keys.append(k)
     env = t.get("api_keys_env", str)
     if env is not None:
-        value = os.environ.get(env)
-        if not value:
-            raise ManifestError("server.api_keys_env", f"environment variable {env} is not set")
-        env_keys = [k.strip() for k in value.split(",") if k.strip()]
-        for i, k in enumerate(env_keys):
-            if problem := _key_problem(k):
-                raise ManifestError("server.api_keys_env", f"key {i + 1} in {env}: {problem}")
-        keys += env_keys
+        with t.problems.guard():
+            keys += _env_keys(env)
     key_file = t.get("api_keys_file", str)
-    return keys + (_read_key_file(key_file) if key_file is not None else [])
+    if key_file is not None:
+        with t.problems.guard():
+            keys += _read_key_file(key_file)
+    return keys
 
 
-def parse_server(data: Any) -> ServerConfig:
-    t = Table(data, "server")
+def parse_server(data: Any, problems: Problems) -> ServerConfig:
+    """The ``[server]`` table; its problems go to ``problems`` and defaults stand in."""
+    t = Table(data, "server", problems)
     host = t.get("host", str, "127.0.0.1",
                  check=lambda v: non_empty(v) or _host_problem(v))
     port = t.int_in("port", 0, 65535, 8000)
     keys = _api_keys(t)
-    body = t.get("max_body_bytes", (int, str), 4 * 2**20)
+    body: int | str = t.get("max_body_bytes", (int, str), 4 * 2**20)
     shutdown = t.get("shutdown_timeout_s", (int, float), 30.0,
                      check=lambda v: None if 0 <= v <= 3600 else "must be 0 to 3600 seconds")
     body_timeout = t.get("body_timeout_s", (int, float), 30.0,
@@ -116,14 +127,17 @@ def parse_server(data: Any) -> ServerConfig:
     cors = t.get("cors_origins", list, [])
     for i, origin in enumerate(cors):
         if problem := cors_origin_problem(origin):
-            raise ManifestError(f"server.cors_origins[{i}]", problem)
+            t.problem(f"cors_origins[{i}]", problem)
     metrics_key = t.get("metrics_need_api_key", bool, True)
     t.finish(("host", "port", "api_keys", "api_keys_env", "api_keys_file", "max_body_bytes",
               "shutdown_timeout_s", "body_timeout_s", "access_log", "cors_origins",
               "metrics_need_api_key"))
-    return ServerConfig(host, port, tuple(keys),
-                        parse_size(body, "server.max_body_bytes", minimum=1024), float(shutdown),
-                        float(body_timeout), access_log, tuple(cors), metrics_key)
+    body_bytes = 4 * 2**20
+    with problems.guard():
+        body_bytes = parse_size(body, "server.max_body_bytes", minimum=1024)
+    return ServerConfig(host, port, tuple(keys), body_bytes, float(shutdown),
+                        float(body_timeout), access_log,
+                        tuple(o for o in cors if not cors_origin_problem(o)), metrics_key)
 
 
 _ORIGIN_RE = re.compile(r"^https?://[A-Za-z0-9.\-\[\]:]+$")
