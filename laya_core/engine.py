@@ -132,11 +132,18 @@ class Engine:
             raise ValueError("the prompt must hold at least one token")
         self.check_request(len(prompt_token_ids), params.max_tokens)
         with self._lock:
-            if self._num_queued >= self.config.max_queue:
+            # max_queue = 0: nothing waits; a request runs at the next step or is refused
+            # (_refuse_waiting), so no more than a batch may be on its way in.
+            limit = self.config.max_queue or (
+                self.scheduler.config.max_num_seqs if self.scheduler else 1)
+            if self._num_queued >= limit:
                 self.rejections["queue_full"] += 1
                 raise QueueFullError(
                     f"{self._num_queued} requests already wait for room on "
-                    f"{self.config.name} replica {self.replica_id}; retry later")
+                    f"{self.config.name} replica {self.replica_id}; retry later"
+                    if self.config.max_queue else
+                    f"no room is free now on {self.config.name} replica {self.replica_id} "
+                    "and max_queue is 0; retry later")
             self._num_queued += 1
         loop = loop or asyncio.get_running_loop()
         seq = Sequence(next(self._ids), list(prompt_token_ids), params)
@@ -299,11 +306,22 @@ class Engine:
             self._finish(self._live[seq.seq_id], FinishReason.REJECTED, "",
                          f"waited {self.config.queue_timeout_s:g} s for room in the KV cache")
 
+    def _refuse_waiting(self) -> None:
+        """With max_queue = 0, what the step could not admit is refused (429), not queued."""
+        assert self.scheduler is not None
+        for seq in list(self.scheduler.waiting):
+            with self._lock:
+                self.rejections["queue_full"] += 1
+            self._finish(self._live[seq.seq_id], FinishReason.REJECTED, "",
+                         "no room is free now and max_queue is 0")
+
     def _step(self) -> None:
         assert self.scheduler is not None
         if self.scheduler.waiting:
             self._expire_waiting()
         chunks = self.scheduler.schedule()
+        if self.config.max_queue == 0 and self.scheduler.waiting:
+            self._refuse_waiting()
         if not chunks:
             self._flush()
             return

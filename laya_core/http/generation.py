@@ -134,6 +134,9 @@ async def _admitted(run: Running) -> None:
     early = await run.stream.wait_admitted()
     if early is None:
         return
+    if early.finish_reason is FinishReason.REJECTED and run.engine.config.max_queue == 0:
+        raise APIError(429, f"{early.error}; retry later", code="queue_full",
+                       retry_after=QUEUE_RETRY_AFTER_S)
     if early.finish_reason is FinishReason.REJECTED:
         raise APIError(503, f"no room for this request: {early.error}; retry later",
                        code="queue_timeout", retry_after=QUEUE_RETRY_AFTER_S)

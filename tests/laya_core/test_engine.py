@@ -111,3 +111,25 @@ def test_a_request_whose_loop_closed_does_not_stop_the_engine() -> None:
     assert asyncio.run(asyncio.wait_for(later(), 10)) == "xyxy"
     assert e.state.value == "ready"
     e.stop()
+
+
+def test_max_queue_zero_serves_when_room_is_free_and_refuses_when_not() -> None:
+    """max_queue = 0 means "no waiting": an idle engine runs the request, a full one refuses."""
+    e = engine(max_num_seqs=1, max_queue=0, options={"step_delay_s": 0.01})
+
+    async def go() -> None:
+        first = e.submit(list(b"abc"), SamplingParams(max_tokens=30))
+        assert await first.wait_admitted() is None
+        second = e.submit(list(b"xyz"), SamplingParams(max_tokens=2))
+        refused = await second.wait_admitted()
+        assert refused is not None and refused.finish_reason is FinishReason.REJECTED
+        assert "max_queue is 0" in (refused.error or "")
+        text = "".join([ev.text async for ev in first])
+        assert len(text) == 30
+        third = e.submit(list(b"xyz"), SamplingParams(max_tokens=2))
+        assert await third.wait_admitted() is None  # room again: it runs
+        assert "".join([ev.text async for ev in third]) == "xy"
+
+    asyncio.run(go())
+    assert e.rejections["queue_full"] == 1
+    e.stop()
