@@ -20,7 +20,8 @@ from laya_core.http import generation as gen
 from laya_core.http.auth import ApiKeyMiddleware
 from laya_core.http.body import json_body
 from laya_core.http.completions import CompletionHandlers
-from laya_core.http.errors import APIError, invalid
+from laya_core.http.cors import Cors, cors_options
+from laya_core.http.errors import APIError, http_exception_response, invalid
 from laya_core.http.metrics import metrics_registry
 from laya_core.http.observe import Observer
 from laya_core.http.requests import parse_tokenize
@@ -108,7 +109,7 @@ def create_app(deployment: Deployment) -> Starlette:
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        return APIError(exc.status_code, exc.detail or "error", code="http_error").response()
+        return http_exception_response(request.method, request.url.path, exc)
 
     routes = [
         Route("/health", health),
@@ -125,6 +126,9 @@ def create_app(deployment: Deployment) -> Starlette:
                     exception_handlers={APIError: api_error, HTTPException: http_error,
                                         Exception: unexpected})
     if server.api_keys:
-        app.add_middleware(ApiKeyMiddleware, keys=server.api_keys, open_paths={"/health"})
+        open_paths = {"/health"} if server.metrics_need_api_key else {"/health", "/metrics"}
+        app.add_middleware(ApiKeyMiddleware, keys=server.api_keys, open_paths=open_paths)
+    if server.cors_origins:  # added last, so it wraps the key check (see laya_core/http/cors.py)
+        app.add_middleware(Cors, **cors_options(server.cors_origins))
     app.state.deployment = deployment
     return app
