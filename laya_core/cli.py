@@ -373,7 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _report(error: mf.ManifestError, args: argparse.Namespace) -> None:
     for key, message in error.problems:
-        print(f"laya: error: {key}: {message}" if key else f"laya: error: {message}",
+        kind = "error" if key.startswith(("-", "LAYA_", "SOURCE")) else "manifest error"
+        print(f"laya: {kind}: {key}: {message}" if key else f"laya: {kind}: {message}",
               file=sys.stderr)
     if len(error.problems) > 1:
         where = f" in {args.source}" if getattr(args, "source", None) else ""

@@ -24,9 +24,15 @@ from laya_core.manifest_table import (
 )
 from laya_core.model_files import model_file_problem
 from laya_core.router import POLICIES
-from laya_core.server_manifest import ServerConfig, check_host_resolves, parse_server
+from laya_core.server_manifest import (
+    SERVER_KEYS,
+    ServerConfig,
+    check_host_resolves,
+    parse_server,
+)
 
-__all__ = ["EMBEDDED_MODEL", "KV_CACHE_DTYPES", "MODEL_KEYS", "Manifest", "ManifestError",
+__all__ = ["EMBEDDED_MODEL", "KV_CACHE_DTYPES", "MEMORY_KEYS", "MODEL_KEYS", "ROUTER_KEYS",
+           "SERVER_KEYS", "TOP_KEYS", "Manifest", "ManifestError",
            "MemoryConfig", "RouterConfig", "ServerConfig", "build", "default_manifest",
            "from_dict", "load", "parse_size", "read_toml", "resolve"]
 
@@ -60,10 +66,15 @@ class Manifest:
     model_index: Mapping[str, int] = attrs.field(factory=dict, eq=False)
 
 
+MEMORY_KEYS = ("budget",)
+ROUTER_KEYS = ("impl",)
+TOP_KEYS = ("server", "memory", "router", "models")
+
+
 def _memory(data: Any, problems: Problems) -> MemoryConfig:
     t = Table(data, "memory", problems)
     budget = t.get("budget", (str, int), "auto")
-    t.finish(("budget",))
+    t.finish(MEMORY_KEYS)
     if budget == "auto":
         return MemoryConfig(None)
     with problems.guard():
@@ -74,7 +85,7 @@ def _memory(data: Any, problems: Problems) -> MemoryConfig:
 def _router(data: Any, problems: Problems) -> RouterConfig:
     t = Table(data, "router", problems)
     impl = t.get("impl", str)
-    t.finish(("impl",))
+    t.finish(ROUTER_KEYS)
     return RouterConfig(impl)
 
 
@@ -140,7 +151,7 @@ def _from_dict(data: Mapping[str, Any], source: str, base_dir: Path,
     memory = _memory(t.get("memory", dict, {}), problems)
     router = _router(t.get("router", dict, {}), problems)
     raw_models = t.get("models", list, required=True)
-    t.finish(("server", "memory", "router", "models"))
+    t.finish(TOP_KEYS)
     if raw_models == []:
         problems.add("models", "list at least one [[models]] entry")
     models: list[ModelConfig] = []

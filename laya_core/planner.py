@@ -9,7 +9,8 @@ import attrs
 
 from laya_core import budget as budget_mod
 from laya_core.backend import Backend, ModelConfig
-from laya_core.manifest import Manifest, ManifestError
+from laya_core.manifest import Manifest
+from laya_core.manifest_table import Problems
 from laya_core.memory_plan import (
     KV_DTYPES,
     RUNTIME_OVERHEAD_BYTES,
@@ -46,17 +47,21 @@ def _plan_for(configs: list[tuple[ModelConfig, ModelShape, type[Backend]]],
 
 def make_plan(manifest: Manifest, registry: Registry) -> Plan:
     """The plan of a resolved manifest (model paths are files or folders)."""
-    configs = []
+    configs, problems = [], Problems()
     for i, m in enumerate(manifest.models):
+        key = f"models[{manifest.model_index.get(m.name, i)}]"
         try:
             shape = read_shape(m.path)
         except ModelFileError as e:
-            raise ManifestError(f"models[{i}].path", str(e)) from None
+            problems.add(f"{key}.path", str(e))
+            continue
         try:
             decided = decide_sizes(m, shape)
         except ValueError as e:
-            raise ManifestError(f"models[{i}].kv_cache_tokens", str(e)) from None
+            problems.add(f"{key}.kv_cache_tokens", str(e))
+            continue
         configs.append((decided, shape, _backend_cls(registry, m)))
+    problems.raise_if_any()
     plan = _plan_for(configs, budget_mod.detect(manifest.memory.budget_bytes))
     if plan.fits:
         return plan

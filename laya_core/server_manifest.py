@@ -111,6 +111,11 @@ def _api_keys(t: Table) -> list[str]:
     return keys
 
 
+SERVER_KEYS = ("host", "port", "api_keys", "api_keys_env", "api_keys_file", "max_body_bytes",
+               "shutdown_timeout_s", "body_timeout_s", "access_log", "cors_origins",
+               "metrics_need_api_key")
+
+
 def parse_server(data: Any, problems: Problems) -> ServerConfig:
     """The ``[server]`` table; its problems go to ``problems`` and defaults stand in."""
     t = Table(data, "server", problems)
@@ -129,9 +134,7 @@ def parse_server(data: Any, problems: Problems) -> ServerConfig:
         if problem := cors_origin_problem(origin):
             t.problem(f"cors_origins[{i}]", problem)
     metrics_key = t.get("metrics_need_api_key", bool, True)
-    t.finish(("host", "port", "api_keys", "api_keys_env", "api_keys_file", "max_body_bytes",
-              "shutdown_timeout_s", "body_timeout_s", "access_log", "cors_origins",
-              "metrics_need_api_key"))
+    t.finish(SERVER_KEYS)
     body_bytes = 4 * 2**20
     with problems.guard():
         body_bytes = parse_size(body, "server.max_body_bytes", minimum=1024)

@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -24,24 +24,33 @@ def free_port() -> int:
 class ServerProcess:
     """A ``laya serve`` subprocess; ``url`` is its base address."""
 
-    def __init__(self, manifest_text: str, workdir: Path, env: dict[str, str] | None = None):
+    def __init__(self, manifest_text: str | None, workdir: Path,
+                 env: dict[str, str] | None = None, args: Sequence[str] = ()):
+        """Serve ``manifest_text`` (``{port}`` filled in), or with None no manifest: then
+        ``args`` (a model, flags) say what to serve, and ``--port`` is added."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        manifest = workdir / "laya.toml"
-        manifest.write_text(manifest_text.replace("{port}", str(self.port)))
+        if manifest_text is None:
+            command = [*args, "--port", str(self.port)]
+        else:
+            manifest = workdir / "laya.toml"
+            manifest.write_text(manifest_text.replace("{port}", str(self.port)))
+            command = [str(manifest), *args]
         self.log_path = workdir / "server.log"
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "laya_core.cli", "serve", str(manifest)],
+            [sys.executable, "-m", "laya_core.cli", "serve", *command],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
-    def wait_ready(self, timeout: float = 120.0) -> None:
+    def wait_ready(self, timeout: float = 120.0, api_key: str | None = None) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited early:\n{self.log()}")
             try:
-                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}/ready", headers=headers,
+                             timeout=2).status_code == 200:
                     return
             except httpx.TransportError:
                 pass

@@ -1,0 +1,67 @@
+"""spec/manifest.md documents every manifest key and every option of every installed
+backend, and nothing that does not exist."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from laya_core import manifest as mf
+from laya_core.plugins import load_registry
+
+SPEC = Path(__file__).resolve().parents[2] / "spec" / "manifest.md"
+
+
+def documented() -> dict[str, set[str]]:
+    """The keys in the first column of each section's tables, by section heading."""
+    sections: dict[str, set[str]] = {}
+    current = ""
+    for line in SPEC.read_text(encoding="utf-8").splitlines():
+        if line.startswith("#"):
+            current = line.lstrip("#").strip()
+            sections.setdefault(current, set())
+        elif m := re.match(r"^\| `([a-z_]+)` \|", line):
+            sections[current].add(m.group(1))
+    return sections
+
+
+def section(title: str) -> set[str]:
+    matches = [keys for heading, keys in documented().items() if heading.startswith(title)]
+    assert matches, f"spec/manifest.md has no section {title!r}"
+    return matches[0]
+
+
+@pytest.mark.parametrize(("title", "keys"), [
+    ("`[server]`", mf.SERVER_KEYS),
+    ("`[memory]`", mf.MEMORY_KEYS),
+    ("`[router]`", mf.ROUTER_KEYS),
+    ("`[[models]]`", mf.MODEL_KEYS),
+])
+def test_every_table_key_is_documented_and_only_those(title: str, keys: tuple[str, ...]) -> None:
+    doc = section(title)
+    assert set(keys) - doc == set(), f"undocumented keys in {title}"
+    assert doc - set(keys) == set(), f"documented keys that {title} does not read"
+
+
+def test_every_backend_option_is_documented() -> None:
+    registry = load_registry()
+    assert registry.backends, "no backend is installed"
+    for name, entry in registry.backends.items():
+        if name == "toy":
+            continue
+        doc = section(f"`options` of the `{name}` backend")
+        options = set(entry.obj.option_names)
+        assert options - doc == set(), f"undocumented {name} options"
+        assert doc - options == set(), f"documented {name} options it does not have"
+
+
+def test_every_flag_and_variable_is_documented() -> None:
+    from laya_core.cli import MODEL_ENV, SETTINGS
+
+    text = SPEC.read_text(encoding="utf-8")
+    for s in SETTINGS:
+        for name in (*s.flags, s.env):
+            assert f"`{name}" in text, f"{name} is not in spec/manifest.md"
+    assert f"`{MODEL_ENV}`" in text
