@@ -195,7 +195,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ManifestError("", f"{p} is not valid TOML: {e}") from e
+        raise ManifestError("", f"{p} is not a manifest: it is not valid TOML ({e})") from e
 
 
 def load(path: str | Path) -> Manifest:
