@@ -384,7 +384,9 @@ def _report(error: mf.ManifestError, args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="laya: %(levelname)s %(name)s: %(message)s")
+    from laya_core.logs import setup_logging
+
+    setup_logging(logging.INFO)
     try:
         registry = load_registry()
     except PluginError as e:

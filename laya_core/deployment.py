@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -11,11 +12,13 @@ from laya_core.backend import ModelConfig
 from laya_core.chat_prompt import chat_prompt_ids
 from laya_core.chat_template import TemplateError, TemplateRefusal
 from laya_core.engine import Engine, EngineState
+from laya_core.logs import resident_bytes
 from laya_core.manifest import Manifest
 from laya_core.memory_plan import Plan
 from laya_core.plugins import Registry
 from laya_core.router import Router
 from laya_core.template_sandbox import TemplateSandbox
+from laya_core.units import fmt_bytes
 
 # Conversations a model's chat template must render at load: the first it accepts passes.
 # Some templates refuse a system turn or a leading assistant on purpose (raise_exception).
@@ -57,6 +60,7 @@ class Deployment:
         self.engines: list[Engine] = []
         self.models: dict[str, ModelConfig] = {}
         self.templates = TemplateSandbox()
+        self.started_at: float | None = None  # time.monotonic() when the loads began
         for config in manifest.models:
             self.models[config.name] = config
             backend_cls = registry.backends[config.backend].obj
@@ -71,6 +75,7 @@ class Deployment:
             self.router.set_policy(config.name, config.routing)
 
     def start(self) -> None:
+        self.started_at = time.monotonic()
         for engine in self.engines:
             engine.start()
 
@@ -134,10 +139,27 @@ class Deployment:
 
     def _loaded(self, engine: Engine) -> None:
         """On the engine's thread, once its model has loaded: test the chat template, then
-        log how the backend runs (Backend.describe)."""
+        log how long the load took, its planned memory and how the backend runs
+        (Backend.describe)."""
         self._probe_template(engine)
-        log.info("%s replica %d ready: %s", engine.config.name, engine.replica_id,
+        took = time.monotonic() - (self.started_at or time.monotonic())
+        log.info("%s replica %d ready in %.1f s: %s; %s", engine.config.name,
+                 engine.replica_id, took, self._memory_of(engine),
                  "; ".join(f"{k} {_plain(v)}" for k, v in engine.runtime().items()) or "-")
+
+    def _memory_of(self, engine: Engine) -> str:
+        """The replica's planned bytes (weights, KV pool) and the process's resident set."""
+        ledgers = {r.replica: r for r in self.plan.replicas} if self.plan else {}
+        ledger = ledgers.get(engine.replica_id)
+        parts = [f"KV pool {engine.kv_capacity_tokens} tokens"]
+        if ledger is not None:
+            parts = [f"weights {fmt_bytes(ledger.profile.weights_bytes)}",
+                     f"KV pool {fmt_bytes(ledger.kv_pool_bytes)} ({ledger.pool_tokens} tokens)",
+                     f"planned {fmt_bytes(ledger.total_bytes)}"]
+        rss = resident_bytes()
+        if rss is not None:
+            parts.append(f"process resident {fmt_bytes(rss)}")
+        return ", ".join(parts)
 
     def _probe_template(self, engine: Engine) -> None:
         """Refuse a model whose chat template cannot render a plain conversation within the

@@ -18,10 +18,14 @@ from collections.abc import Callable
 
 import attrs
 
-from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem
+from laya_core.backend import Backend, ModelConfig, ModelInfo
 from laya_core.cache import CachePolicy
 from laya_core.detokenizer import IncrementalDetokenizer
-from laya_core.memory_plan import DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_SEQ_LEN
+from laya_core.memory_plan import (
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_MAX_SEQ_LEN,
+    scored_tokens_per_step,
+)
 from laya_core.scheduler import Scheduler, SchedulerConfig
 from laya_core.sequence import Sequence
 from laya_core.stream import ADMITTED, GenerationStream, deliver
@@ -59,6 +63,8 @@ class _Live:
     queue: asyncio.Queue[TokenEvent]
     detokenizer: IncrementalDetokenizer
     started: bool = False  # admitted and known to the backend
+    # Prompt log-probabilities scored so far, sent with the first token.
+    prompt_logprobs: list[Sample] = attrs.field(factory=list)
 
 
 class Engine:
@@ -130,6 +136,9 @@ class Engine:
                 f"{self.config.name} replica {self.replica_id} is {self.state.value}")
         if not prompt_token_ids:
             raise ValueError("the prompt must hold at least one token")
+        if params.prompt_logprobs is not None and not self.backend.supports_prompt_logprobs:
+            raise ValueError(f"the {self.backend.name} backend cannot compute prompt "
+                             "log-probabilities")
         self.check_request(len(prompt_token_ids), params.max_tokens)
         with self._lock:
             # max_queue = 0: nothing waits; a request runs at the next step or is refused
@@ -213,10 +222,12 @@ class Engine:
         pool_tokens = self.config.kv_cache_tokens or self.max_seq_len * num_seqs
         cache = self._cache_cls(pool_tokens)
         self.backend.allocate_cache(n_ctx=pool_tokens, max_num_seqs=num_seqs)
+        step_tokens = max(num_seqs, self.config.max_step_tokens)
         sched_config = SchedulerConfig(
-            num_seqs, max(num_seqs, self.config.max_step_tokens),
+            num_seqs, step_tokens,
             prefix_caching=self.config.prefix_caching and self.backend.supports_prefix_sharing,
-            compaction=self.backend.supports_moving)
+            compaction=self.backend.supports_moving,
+            max_scored_tokens=scored_tokens_per_step(step_tokens))
         self.scheduler = self._scheduler_cls(sched_config, cache)
         if self._on_loaded is not None:
             self._on_loaded(self)
@@ -339,8 +350,7 @@ class Engine:
                 live.started = True
                 self._dequeued()
                 self._emit(live, ADMITTED)
-        items = [StepItem(c.seq.slot, c.tokens, c.start_pos, c.samples)  # type: ignore[arg-type]
-                 for c in chunks]
+        items = [c.item() for c in chunks]
         # The previous step's tokens and this step's admissions go out just before the model
         # runs: the model call releases the GIL, so the event loop formats and sends them
         # while it runs instead of holding the GIL between two steps (measured at concurrency
@@ -354,16 +364,21 @@ class Engine:
                 self._finish(self._live[c.seq.seq_id], FinishReason.ERROR, "",
                              f"{type(e).__name__}: {e}")
             return
-        for c, sample in zip(chunks, sampled, strict=True):
+        for c, result in zip(chunks, sampled, strict=True):
             c.seq.num_computed += len(c.tokens)
-            if sample is not None:
-                self._on_token(self._live[c.seq.seq_id], sample)
+            live = self._live[c.seq.seq_id]
+            live.prompt_logprobs += result.scores
+            if result.sample is not None:
+                self._on_token(live, result.sample)
         if not self.scheduler.has_work:
             self._flush()  # no next step to carry them
 
     def _on_token(self, live: _Live, sample: Sample) -> None:
         seq, token = live.seq, sample.token_id
         samples = (sample,) if seq.params.logprobs is not None else ()
+        prompt: tuple[Sample, ...] = ()
+        if live.prompt_logprobs and not seq.output_token_ids:  # sent with the first token
+            prompt, live.prompt_logprobs = tuple(live.prompt_logprobs), []
         seq.output_token_ids.append(token)
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
@@ -381,12 +396,14 @@ class Engine:
                     or seq.num_tokens >= self.max_seq_len:
                 text, finish = text + live.detokenizer.flush(), FinishReason.LENGTH
         if finish is None:
-            self._emit(live, TokenEvent(text, (token,), samples=samples))
+            self._emit(live, TokenEvent(text, (token,), samples=samples, prompt_logprobs=prompt))
         else:
-            self._finish(live, finish, text, token_ids=(token,), samples=samples)
+            self._finish(live, finish, text, token_ids=(token,), samples=samples,
+                         prompt_logprobs=prompt)
 
     def _finish(self, live: _Live, reason: FinishReason, text: str, error: str | None = None,
-                token_ids: tuple[int, ...] = (), samples: tuple[Sample, ...] = ()) -> None:
+                token_ids: tuple[int, ...] = (), samples: tuple[Sample, ...] = (),
+                prompt_logprobs: tuple[Sample, ...] = ()) -> None:
         seq = live.seq
         assert self.scheduler is not None
         slot = seq.slot
@@ -399,7 +416,8 @@ class Engine:
         seq.finish_reason = reason
         seq.finished_time = time.perf_counter()
         del self._live[seq.seq_id]
-        self._emit(live, TokenEvent(text, token_ids, reason, error, _timing(seq), samples=samples))
+        self._emit(live, TokenEvent(text, token_ids, reason, error, _timing(seq), samples=samples,
+                                    prompt_logprobs=prompt_logprobs))
 
 
 def _timing(seq: Sequence) -> Timing:
