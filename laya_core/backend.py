@@ -62,12 +62,30 @@ class ModelInfo:
 
 @attrs.frozen
 class StepItem:
-    """Feed ``tokens`` to sequence ``slot`` at positions ``start_pos ..``; sample if asked."""
+    """Feed ``tokens`` to sequence ``slot`` at positions ``start_pos ..``; sample if asked.
+
+    ``score_targets`` asks for prompt log-probabilities: ``score_targets[j]`` is the token
+    that follows ``tokens[j]``, to be scored under the model's distribution at row ``j``
+    (its log-probability, its rank and the ``score_top`` likeliest tokens). It holds one
+    target per fed token, or one fewer where the last row samples instead. The scheduler
+    keeps the scored rows of a step within ``memory_plan.scored_tokens_per_step``, so the
+    logits they need are in the memory plan.
+    """
 
     slot: int
     tokens: Sequence[int]
     start_pos: int
     sample: bool
+    score_targets: Sequence[int] = ()
+    score_top: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+
+
+@attrs.frozen
+class StepResult:
+    """What one :class:`StepItem` produced."""
+
+    sample: Sample | None = None  # the sampled token, where ``item.sample``
+    scores: tuple[Sample, ...] = ()  # one per ``item.score_targets``, in order, with ranks
 
 
 class Backend(abc.ABC):
@@ -88,6 +106,9 @@ class Backend(abc.ABC):
     # the cache is allocated), and the scheduler then closes holes that finished sequences
     # leave in the block.
     supports_moving: bool = False
+    # Whether step() scores ``StepItem.score_targets`` (prompt log-probabilities); requests
+    # asking for them are refused on backends that do not.
+    supports_prompt_logprobs: ClassVar[bool] = False
     # The keys ``[models.options]`` may hold for this backend; anything else is a manifest error.
     option_names: ClassVar[frozenset[str]] = frozenset()
 
@@ -163,12 +184,14 @@ class Backend(abc.ABC):
         raise NotImplementedError
 
     @abc.abstractmethod
-    def step(self, items: Sequence[StepItem]) -> list[Sample | None]:
+    def step(self, items: Sequence[StepItem]) -> list[StepResult]:
         """Run all items in one batched forward pass.
 
-        Returns one entry per item: the sampled token where ``item.sample``, else ``None``; with
+        Returns one :class:`StepResult` per item: the sampled token where ``item.sample``, with
         its log-probability (and ``params.logprobs`` alternatives) when the sequence's
-        ``SamplingParams.logprobs`` is not None.
+        ``SamplingParams.logprobs`` is not None; and the scores of ``item.score_targets``
+        (only asked of backends with ``supports_prompt_logprobs``). Log-probabilities are
+        the model's own (raw logits, before penalties and truncation).
         """
 
     @abc.abstractmethod

@@ -25,6 +25,15 @@ KV_DTYPES = {"f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4
 RUNTIME_OVERHEAD_BYTES = 96 * 2**20 + 64 * 2**20
 DEFAULT_MAX_SEQ_LEN = 4096
 DEFAULT_MAX_NUM_SEQS = 4
+# Prompt positions whose logits one step may ask for (prompt log-probabilities). Each costs
+# vocab x 4 bytes of logits (192 KiB for a 49,152-token vocabulary: 24 MiB for 128), so the
+# scheduler cuts such prompts into chunks of at most this many and the backend plans it.
+MAX_SCORED_TOKENS_PER_STEP = 128
+
+
+def scored_tokens_per_step(max_step_tokens: int) -> int:
+    """How many prompt positions with logits one step of this size may hold."""
+    return min(max_step_tokens, MAX_SCORED_TOKENS_PER_STEP)
 
 
 def kv_bytes_per_token(shape: ModelShape, dtype: str) -> int:

@@ -13,7 +13,9 @@ import time
 
 import attrs
 
+from laya_core.backend import StepItem
 from laya_core.cache import CachePolicy
+from laya_core.memory_plan import MAX_SCORED_TOKENS_PER_STEP
 from laya_core.prefix_cache import (
     MIN_REUSE_TOKENS,
     PrefixCache,
@@ -33,6 +35,10 @@ class SchedulerConfig:
     # Move a running sequence into a hole in the block of running slots when nothing waits to
     # fill it (for backends with ``supports_moving``).
     compaction: bool = False
+    # Prompt positions one step may score (prompt log-probabilities): each needs a row of
+    # logits, counted in the memory plan (memory_plan.scored_tokens_per_step).
+    max_scored_tokens: int = attrs.field(default=MAX_SCORED_TOKENS_PER_STEP,
+                                         validator=attrs.validators.ge(1))
 
 
 @attrs.frozen
@@ -47,6 +53,14 @@ class Chunk:
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the sequence, so a new token is sampled."""
         return self.start_pos + len(self.tokens) == self.seq.num_tokens
+
+    def item(self) -> StepItem:
+        """What the backend is asked: the tokens to feed, and the prompt tokens to score."""
+        seq = self.seq
+        assert seq.slot is not None
+        return StepItem(seq.slot, self.tokens, self.start_pos, self.samples,
+                        seq.score_targets(self.start_pos, len(self.tokens)),
+                        seq.params.prompt_logprobs or 0)
 
 
 class Scheduler(abc.ABC):
@@ -289,7 +303,7 @@ class Scheduler(abc.ABC):
         """
         wanted = set()
         for seq in itertools.islice(self.waiting, self.config.max_num_seqs):
-            if seq.num_prompt_tokens > MIN_REUSE_TOKENS:
+            if seq.num_prompt_tokens > MIN_REUSE_TOKENS and not seq.scores_prompt:
                 match = best_match(seq.prompt_token_ids, self.prefix.entries())
                 if match is not None:
                     wanted.add(match[0])
@@ -307,8 +321,8 @@ class Scheduler(abc.ABC):
         del self._retained_blocks[slot]
 
     def _best_prefix(self, seq: Sequence) -> tuple[int, int] | None:
-        if seq.num_prompt_tokens <= MIN_REUSE_TOKENS:
-            return None  # too short to reuse anything: skip building the candidates
+        if seq.num_prompt_tokens <= MIN_REUSE_TOKENS or seq.scores_prompt:
+            return None  # too short to reuse anything, or it needs every position's logits
         live = ((s.slot, s.computed_token_ids)
                 for s in self.running if s.num_computed and s.slot is not None)
         return best_match(seq.prompt_token_ids, itertools.chain(self.prefix.entries(), live))
@@ -329,22 +343,25 @@ class FcfsScheduler(Scheduler):
     Decoding sequences go first, one token each, so running streams keep flowing; the rest of
     the step's token budget prefills prompts in arrival order, in chunks. A waiting sequence is
     admitted only when its worst case fits in the cache; a head that does not fit blocks those
-    behind it, so a long request cannot be starved by a stream of short ones.
+    behind it, so a long request cannot be starved by a stream of short ones. Prompts whose
+    log-probabilities are wanted share a smaller budget too: ``max_scored_tokens`` a step.
     """
 
     def schedule(self) -> list[Chunk]:
         while self.waiting and self.can_admit(self.waiting[0]):
             self.admit(self.waiting.popleft())
         self._compact()
-        budget = self.config.max_step_tokens
+        budget, scored = self.config.max_step_tokens, self.config.max_scored_tokens
         chunks: list[Chunk] = []
         decoding = [s for s in self.running if not s.is_prefilling]
         prefilling = [s for s in self.running if s.is_prefilling]
         for seq in decoding + prefilling:
             if budget == 0:
                 break
-            tokens = seq.tokens_to_compute(budget)
+            scoring = seq.scores_prompt and seq.is_prefilling
+            tokens = seq.tokens_to_compute(min(budget, scored) if scoring else budget)
             if tokens:  # empty: a prompt that waits rather than leave a lone last token
                 chunks.append(Chunk(seq, tokens, seq.num_computed))
                 budget -= len(tokens)
+                scored -= len(tokens) if scoring else 0
         return chunks

@@ -59,6 +59,20 @@ class Sequence:
         return self.num_computed < self.num_prompt_tokens
 
     @property
+    def scores_prompt(self) -> bool:
+        """Whether the prompt's log-probabilities are wanted. Such a sequence prefills its
+        whole prompt, since KV taken from the prefix cache comes without logits."""
+        return self.params.prompt_logprobs is not None
+
+    def score_targets(self, start_pos: int, num_tokens: int) -> list[int]:
+        """The prompt tokens that follow positions ``start_pos .. start_pos+num_tokens-1``:
+        what a chunk there scores. The last prompt position is followed by a sampled token,
+        not a prompt one, so a chunk that ends the prompt scores one fewer than it feeds."""
+        if not self.scores_prompt:
+            return []
+        return self.prompt_token_ids[start_pos + 1 : start_pos + num_tokens + 1]
+
+    @property
     def max_total_tokens(self) -> int:
         """The most KV cache this sequence can ever hold, in tokens."""
         return self.num_prompt_tokens + self.params.max_tokens

@@ -38,6 +38,11 @@ class SamplingParams:
     # Log-probabilities: None for none, else how many top alternatives besides the chosen token.
     logprobs: int | None = attrs.field(default=None, validator=attrs.validators.optional(
         attrs.validators.and_(attrs.validators.ge(0), attrs.validators.le(20))))
+    # Prompt log-probabilities: None for none, else how many top alternatives per position.
+    # Such a sequence prefills its whole prompt (KV from the prefix cache has no logits).
+    prompt_logprobs: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(
+            attrs.validators.and_(attrs.validators.ge(0), attrs.validators.le(20))))
 
     @property
     def greedy(self) -> bool:
@@ -56,11 +61,13 @@ class FinishReason(enum.Enum):
 
 @attrs.frozen
 class Sample:
-    """One sampled token, with its log-probability under the model when asked for."""
+    """One token, sampled or given (a prompt's), with its log-probability under the model
+    when asked for."""
 
     token_id: int
     logprob: float | None = None
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+    rank: int | None = None  # 1 + the number of tokens the model found likelier; prompt tokens
 
 
 @attrs.frozen
@@ -74,6 +81,9 @@ class TokenEvent:
     timing: Timing | None = None  # set on the final event
     admitted: bool = False  # the marker sent once when the sequence joins the batch
     samples: tuple[Sample, ...] = ()  # with log-probabilities, when the request asked for them
+    # With the first token, when asked for: the prompt's tokens from the second on, each with
+    # its log-probability given the tokens before it.
+    prompt_logprobs: tuple[Sample, ...] = ()
 
 
 @attrs.frozen

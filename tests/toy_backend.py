@@ -4,7 +4,9 @@ Its vocabulary is the 256 byte values plus an end token (256); tokenizing is UTF
 so multi-byte characters arrive split across tokens. Its "model" repeats the prompt: the token
 at position p is ``prompt[p % len(prompt)]``, or the end token where the prompt holds a 0 byte.
 It keeps the tokens each slot was fed and checks every step is fed in order, so it also checks
-the engine's chunking and slot bookkeeping.
+the engine's chunking and slot bookkeeping. Prompt log-probabilities follow from that model:
+each prompt token is certain given those before it (log-probability 0, rank 1, and no
+alternatives with any probability to list).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from laya_core.backend import Backend, ModelInfo, StepItem
+from laya_core.backend import Backend, ModelInfo, StepItem, StepResult
 from laya_core.types import Sample, SamplingParams
 
 END = 256
@@ -54,22 +56,28 @@ class ToyBackend(Backend):
         assert not self.fed.get(dst_slot), f"slot {dst_slot} is in use"
         self.fed[dst_slot] = self.fed[src_slot][:num_tokens]
 
-    def step(self, items: Sequence[StepItem]) -> list[Sample | None]:
+    supports_prompt_logprobs = True
+
+    def step(self, items: Sequence[StepItem]) -> list[StepResult]:
         self.steps.append(list(items))
         time.sleep(self.config.options.get("step_delay_s", 0.0))  # a model takes time
         assert sum(len(i.tokens) for i in items) <= self.config.max_step_tokens
-        out: list[Sample | None] = []
+        out: list[StepResult] = []
         for item in items:
             history = self.fed[item.slot]
             assert item.start_pos == len(history), "tokens fed out of order"
+            assert len(item.tokens) - item.sample <= len(item.score_targets) \
+                or not item.score_targets, "a chunk scores each row that does not sample"
             history.extend(item.tokens)
+            scores = tuple(Sample(t, 0.0, ((t, 0.0),) if item.score_top else (), rank=1)
+                           for t in item.score_targets)
             if not item.sample:
-                out.append(None)
+                out.append(StepResult(None, scores))
                 continue
             prompt_len = self.prompt_len.get(item.slot) or len(history)
             self.prompt_len[item.slot] = prompt_len
             token = history[len(history) % prompt_len]
-            out.append(Sample(END if token == 0 else token, 0.0))
+            out.append(StepResult(Sample(END if token == 0 else token, 0.0), scores))
         return out
 
     supports_moving = True

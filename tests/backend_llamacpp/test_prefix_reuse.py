@@ -147,7 +147,7 @@ def test_moved_kv_continues_exactly_as_before(kv_unified: bool) -> None:
     def generate(slot: int, fed: list[int], start: int, n: int = 8) -> list[int]:
         out: list[int] = []
         for _ in range(n):
-            sample = b.step([StepItem(slot, fed, start, True)])[0]
+            sample = b.step([StepItem(slot, fed, start, True)])[0].sample
             assert sample is not None
             out.append(sample.token_id)
             start, fed = start + len(fed), [sample.token_id]
@@ -189,7 +189,7 @@ def test_a_running_sequence_moved_to_another_slot_continues_exactly() -> None:
             if i == move_after:
                 b.move_sequence(2, 0, start)
                 slot = 0
-            sample = b.step([StepItem(slot, fed, start, True)])[0]
+            sample = b.step([StepItem(slot, fed, start, True)])[0].sample
             assert sample is not None
             out.append(sample.token_id)
             start, fed = start + len(fed), [sample.token_id]

@@ -73,9 +73,9 @@ DECODE_WITH_DEFAULTS = textwrap.dedent("""
     backend.allocate_cache(n_ctx=256, max_num_seqs=1)
     backend.start_sequence(0, SamplingParams(temperature=0.0))
     prompt = backend.tokenize("The capital of France is", add_special=False)
-    token = backend.step([StepItem(0, prompt, 0, True)])[0].token_id
+    token = backend.step([StepItem(0, prompt, 0, True)])[0].sample.token_id
     for pos in range(len(prompt), len(prompt) + 8):
-        token = backend.step([StepItem(0, [token], pos, True)])[0].token_id
+        token = backend.step([StepItem(0, [token], pos, True)])[0].sample.token_id
     print(json.dumps(backend.describe()))
 """)
 

@@ -42,8 +42,8 @@ def decode_until(b: LlamaCppBackend, threads: int, timeout_s: float) -> bool:
             b.start_sequence(slot, SamplingParams(temperature=0.0))
         out = b.step([StepItem(s, [1, 2, 3], 0, True) for s in range(4)])
         for pos in range(3, SEQ_LEN):
-            out = b.step([StepItem(s, [out[s].token_id], pos, True)  # type: ignore[union-attr]
-                          for s in range(4)])
+            tokens = [r.sample.token_id for r in out]  # type: ignore[union-attr]
+            out = b.step([StepItem(s, [tokens[s]], pos, True) for s in range(4)])
             if b.describe()["n_threads"] == threads:
                 return True
             if time.monotonic() > deadline:

@@ -2,7 +2,8 @@
 
 Each slot is a llama.cpp sequence id; a step fills one ``llama_batch`` with the prompt chunks
 of new sequences and one token for each decoding sequence, and only rows that end a chunk ask
-for logits. ``llama_cpp`` is imported in ``load_weights``, never at import time.
+for logits, besides the prompt rows whose log-probabilities are wanted. ``llama_cpp`` is
+imported in ``load_weights``, never at import time.
 """
 
 from __future__ import annotations
@@ -15,8 +16,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem
-from laya_core.memory_plan import MemoryProfile, Overhead, kv_bytes_per_token
+from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem, StepResult
+from laya_core.memory_plan import (
+    MemoryProfile,
+    Overhead,
+    kv_bytes_per_token,
+    scored_tokens_per_step,
+)
 from laya_core.model_files import ModelShape, read_shape
 from laya_core.types import Sample, SamplingParams
 
@@ -33,7 +39,19 @@ _IDS_PER_COPY = 32768  # token ids copied out of llama.cpp's buffer per GIL hold
 _PIECE_BUF = 256  # bytes; the longest token piece of common vocabularies is far shorter
 _KV_CELL_ALIGN = 256  # llama.cpp pads each KV stream to this many cells
 _VOCAB_BYTES_PER_TOKEN = 512
+# Prompt rows scored per numpy pass: the pass holds two float64 copies of the block
+# (2 x 8 x vocab x 8 B, 6 MiB for 49,152 tokens), counted in the memory profile.
+_SCORE_BLOCK_ROWS = 8
 _GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}  # enum ggml_type
+
+
+def _prompt_logits(vocab_size: int, num_rows: int) -> Overhead:
+    """llama.cpp's output buffer grows to hold every row asked for logits (it never shrinks),
+    so the prompt rows one step may score are planned, with the scratch that scores them."""
+    scratch = 2 * _SCORE_BLOCK_ROWS * vocab_size * 8
+    return Overhead("prompt logits", vocab_size * num_rows * 4 + scratch,
+                    f"vocab x {num_rows} scored prompt rows per step x 4 B, + 2 x "
+                    f"{_SCORE_BLOCK_ROWS} rows x vocab x 8 B to score them")
 
 
 def _llama() -> Any:
@@ -73,6 +91,7 @@ class LlamaCppBackend(Backend):
     name = "llamacpp"
     kv_cache_dtypes = ("f16", "f32", "bf16", "q8_0", "q4_0")
     supports_prefix_sharing = True
+    supports_prompt_logprobs = True
     option_names = frozenset({"n_threads", "repack", "use_mmap", "flash_attn", "kv_unified"})
 
     @classmethod
@@ -128,6 +147,7 @@ class LlamaCppBackend(Backend):
                          f"llama.cpp rounds each to {_KV_CELL_ALIGN}"),
                 Overhead("logits buffer", shape.vocab_size * seqs * 4,
                          f"vocab x {seqs} sequences x 4 B"),
+                _prompt_logits(shape.vocab_size, scored_tokens_per_step(step)),
                 Overhead("vocabulary", shape.vocab_size * _VOCAB_BYTES_PER_TOKEN,
                          f"{_VOCAB_BYTES_PER_TOKEN} B per token (measured: about 20 MiB for "
                          "49,152 tokens)"),
@@ -273,8 +293,8 @@ class LlamaCppBackend(Backend):
         self._samplers[slot] = sampling.build_chain(self._ll, params, self._n_vocab)
         self._params[slot] = params
 
-    def step(self, items: Sequence[StepItem]) -> list[Sample | None]:
-        out: list[Sample | None] = [None] * len(items)
+    def step(self, items: Sequence[StepItem]) -> list[StepResult]:
+        out = [StepResult()] * len(items)
         for group in self._passes(items):
             self._run(items, group, out)
         return out
@@ -299,18 +319,22 @@ class LlamaCppBackend(Backend):
                                                    if len(items[i].tokens) > 1]
 
     def _run(self, items: Sequence[StepItem], group: list[int],
-             out: list[Sample | None]) -> None:
+             out: list[StepResult]) -> None:
         batch = self._batch
         rows: list[tuple[int, int]] = []  # (item, batch row) of the rows that sample
+        scored: list[tuple[int, int]] = []  # (item, batch row of its first scored row)
         n = 0
         for i in group:
             item = items[i]
+            num_scored = len(item.score_targets)
+            if num_scored:
+                scored.append((i, n))
             for j, token in enumerate(item.tokens):
                 batch.token[n] = token
                 batch.pos[n] = item.start_pos + j
                 batch.n_seq_id[n] = 1
                 batch.seq_id[n][0] = item.slot
-                batch.logits[n] = False
+                batch.logits[n] = j < num_scored
                 n += 1
             if item.sample:
                 batch.logits[n - 1] = True
@@ -319,8 +343,26 @@ class LlamaCppBackend(Backend):
         rc = self._decode(batch)
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc} for a batch of {n} tokens")
-        for i, row in rows:  # before the next pass overwrites the logits
-            out[i] = self._sample(items[i].slot, row)
+        # Before the next pass overwrites the logits.
+        scores = {i: self._score(items[i], row) for i, row in scored}
+        for i, row in rows:
+            out[i] = StepResult(self._sample(items[i].slot, row), scores.pop(i, ()))
+        for i, item_scores in scores.items():
+            out[i] = StepResult(None, item_scores)
+
+    def _score(self, item: StepItem, first_row: int) -> tuple[Sample, ...]:
+        """The scores of ``item.score_targets``, from rows ``first_row ..`` of the batch."""
+        targets = item.score_targets
+        block = np.empty((min(_SCORE_BLOCK_ROWS, len(targets)), self._n_vocab), np.float64)
+        out: list[Sample] = []
+        for start in range(0, len(targets), _SCORE_BLOCK_ROWS):
+            part = targets[start:start + _SCORE_BLOCK_ROWS]
+            for k in range(len(part)):
+                block[k] = np.ctypeslib.as_array(
+                    self._ll.llama_get_logits_ith(self._ctx, first_row + start + k),
+                    shape=(self._n_vocab,))
+            out += sampling.score_rows(block[:len(part)], part, item.score_top)
+        return tuple(out)
 
     def _decode(self, batch: Any) -> int:
         if self._governor is None:

@@ -59,3 +59,31 @@ def logprobs_of(logits: Any, token: int, top: int) -> Sample:
         ids = ids[np.argsort(-x[ids], kind="stable")]
         best = tuple((int(i), float(x[i] - log_total)) for i in ids)
     return Sample(token, float(x[token] - log_total), best)
+
+
+def score_rows(logits: Any, targets: Any, top: int) -> tuple[Sample, ...]:
+    """Each row's target token with its log-probability, rank and the ``top`` likeliest.
+
+    ``logits``: [rows, vocab] raw logits, one row per target. The work is numpy's over the
+    whole block, so a prompt position costs a few vector passes, not a Python loop over the
+    vocabulary; the caller keeps blocks small (the float64 copies are rows x vocab x 8 B).
+    """
+    x = np.asarray(logits, dtype=np.float64)  # [rows, vocab]
+    rows = np.arange(len(x))
+    peak = x.max(axis=1)
+    shifted = x - peak[:, None]  # the one other block-sized array
+    log_total = peak + np.log(np.exp(shifted, out=shifted).sum(axis=1))
+    del shifted
+    chosen = x[rows, np.asarray(targets)]
+    ranks = (x > chosen[:, None]).sum(axis=1) + 1
+    best: list[tuple[tuple[int, float], ...]] = [()] * len(x)
+    if top:
+        ids = np.argpartition(x, -top, axis=1)[:, -top:]
+        ids = np.take_along_axis(ids, np.argsort(-np.take_along_axis(x, ids, axis=1), axis=1,
+                                                 kind="stable"), axis=1)
+        values = np.take_along_axis(x, ids, axis=1) - log_total[:, None]
+        best = [tuple(zip(r_ids.tolist(), r_vals.tolist(), strict=True))
+                for r_ids, r_vals in zip(ids, values, strict=True)]
+    logprobs = (chosen - log_total).tolist()
+    return tuple(Sample(int(t), lp, b, rank=int(r)) for t, lp, b, r
+                 in zip(targets, logprobs, best, ranks.tolist(), strict=True))
