@@ -87,8 +87,11 @@ class CompletionHandlers:
                     "logprobs": fmt.chat_logprobs(r.samples, token_bytes)
                     if req.common.logprobs is not None else None,
                     "finish_reason": r.finish.value} for i, r in enumerate(results)]
-        return self._json(runs, req, results, {**base, "object": "chat.completion",
-                                               "choices": choices})
+        body = {**base, "object": "chat.completion", "choices": choices}
+        if req.common.prompt_logprobs is not None:  # vLLM's: once, beside the choices
+            body["prompt_logprobs"] = fmt.prompt_logprobs(results[0].prompt_logprobs,
+                                                          token_bytes, req.common.prompt_logprobs)
+        return self._json(runs, req, results, body)
 
     async def completions(self, request: Request) -> Response:
         req = parse_completion(await json_body(request, self.server))
@@ -103,13 +106,9 @@ class CompletionHandlers:
 
             return self._stream(runs, req, chunk, base)
         results = await self._collect(request, runs, req)
-        choices = []
-        for i, (run, r) in enumerate(zip(runs, results, strict=True)):
-            prefix = run.prompt_text if req.echo and run.prompt_text else ""
-            lp = fmt.completion_logprobs(r.samples, token_bytes, len(prefix)) \
-                if req.common.logprobs is not None else None
-            choices.append({"index": i, "text": prefix + r.text, "logprobs": lp,
-                            "finish_reason": r.finish.value})
+        n = req.common.n
+        choices = [_completion_choice(req, i, run, r, results[i - i % n], token_bytes)
+                   for i, (run, r) in enumerate(zip(runs, results, strict=True))]
         return self._json(runs, req, results, {**base, "choices": choices})
 
     async def _collect(self, request: Request, runs: list[gen.Running],
@@ -154,3 +153,26 @@ class CompletionHandlers:
                 gen.release_all(runs)
 
         return SSEResponse(events())  # type: ignore[return-value]
+
+
+def _completion_choice(req: CompletionRequest, index: int, run: gen.Running, r: gen.Result,
+                       first: gen.Result, token_bytes: Callable[[int], bytes],
+                       ) -> dict[str, Any]:
+    """One choice of a completion; ``first``, its prompt's first choice, scored the prompt."""
+    prompt = first.prompt_logprobs
+    echo = req.echo and run.prompt_text is not None
+    text = (run.prompt_text or "") + r.text if echo else r.text
+    top = req.common.logprobs
+    lp = None
+    if top is not None and echo:
+        lp = fmt.echo_logprobs(run.stream.seq.prompt_token_ids[0], prompt, r.samples,
+                               token_bytes, top)
+    elif top is not None:
+        lp = fmt.completion_logprobs(r.samples, token_bytes)
+    choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": r.finish.value}
+    wanted = req.common.prompt_logprobs
+    if wanted is None and echo:
+        wanted = top  # vLLM's: an echo with logprobs scores the prompt with as many
+    if wanted is not None:
+        choice["prompt_logprobs"] = fmt.prompt_logprobs(prompt, token_bytes, wanted)
+    return choice

@@ -35,6 +35,8 @@ class Running:
     deployment: Deployment
     prompt_text: str | None = None  # for echo
     released: bool = False
+    # Echo with max_tokens 0: the one token generated (to score the prompt) is not shown.
+    discard_output: bool = False
 
     def release(self) -> None:
         """Cancel the sequence if still running and give the router its count back, once."""
@@ -53,6 +55,7 @@ class Result:
     timing: Timing | None
     token_ids: list[int]
     samples: list[Sample]
+    prompt_logprobs: list[Sample] = attrs.field(factory=list)  # from the prompt's second token
 
 
 def engine_for(deployment: Deployment, name: str, param: str = "model") -> Engine:
@@ -68,14 +71,31 @@ def engine_for(deployment: Deployment, name: str, param: str = "model") -> Engin
         raise APIError(503, str(e), code="not_ready", retry_after=5) from None
 
 
-def _params(req: GenerationRequest, max_tokens: int, choice: int) -> SamplingParams:
+def _params(req: GenerationRequest, max_tokens: int, choice: int,
+            prompt_logprobs: int | None) -> SamplingParams:
     seed = None if req.seed is None else req.seed + choice  # n choices must differ
     return SamplingParams(
         max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
         min_p=req.min_p, seed=seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
         ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-        logprobs=req.logprobs)
+        logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
+
+
+def prompt_top(request: ChatRequest | CompletionRequest) -> int | None:
+    """Alternatives per prompt token to compute, or None: ``prompt_logprobs``, and for an
+    echoed completion with ``logprobs`` those too (the echoed prompt is scored, as vLLM does)."""
+    req = request.common
+    echoed = req.logprobs if isinstance(request, CompletionRequest) and request.echo else None
+    wanted = [k for k in (req.prompt_logprobs, echoed) if k is not None]
+    return max(wanted) if wanted else None
+
+
+def _check_prompt_logprobs(request: ChatRequest | CompletionRequest, engine: Engine) -> None:
+    if prompt_top(request) is not None and not engine.backend.supports_prompt_logprobs:
+        param = "prompt_logprobs" if request.common.prompt_logprobs is not None else "logprobs"
+        raise invalid(param, f"the {engine.backend.name} backend of {request.common.model!r} "
+                      "cannot compute prompt log-probabilities", "unsupported_parameter")
 
 
 def _prompts(deployment: Deployment, request: ChatRequest | CompletionRequest,
@@ -101,7 +121,8 @@ def _prompts(deployment: Deployment, request: ChatRequest | CompletionRequest,
 
 
 def _submit(deployment: Deployment, req: GenerationRequest, prompt: list[int],
-            params: SamplingParams, text: str | None, session: str | None) -> Running:
+            params: SamplingParams, text: str | None, session: str | None,
+            discard_output: bool = False) -> Running:
     t0 = time.perf_counter()
     # Hashing the prompt's leading blocks is routing work, so it counts in the route time.
     prefix = prefix_hashes(prompt) if deployment.models[req.model].routing == "prefix" else ()
@@ -127,7 +148,7 @@ def _submit(deployment: Deployment, req: GenerationRequest, prompt: list[int],
     except Exception:
         deployment.router.release(replica)
         raise
-    return Running(stream, engine, route_s, deployment, text)
+    return Running(stream, engine, route_s, deployment, text, discard_output=discard_output)
 
 
 async def _admitted(run: Running) -> None:
@@ -156,6 +177,7 @@ async def start(deployment: Deployment, request: ChatRequest | CompletionRequest
     req = request.common
     session = session or req.user
     engine = engine_for(deployment, req.model)
+    _check_prompt_logprobs(request, engine)
     prompts = await asyncio.to_thread(_prompts, deployment, request, engine)
     param = "messages" if isinstance(request, ChatRequest) else "prompt"
     limit = engine.max_seq_len
@@ -172,8 +194,12 @@ async def start(deployment: Deployment, request: ChatRequest | CompletionRequest
                               "context_length_exceeded")
             max_tokens = req.max_tokens if req.max_tokens is not None else limit - len(prompt)
             for choice in range(req.n):
-                runs.append(_submit(deployment, req, prompt, _params(req, max_tokens, choice),
-                                    text, session))
+                # The first choice scores the prompt for all n (they share it); echo with
+                # max_tokens 0 generates one token, which is not shown (as vLLM does).
+                params = _params(req, max(max_tokens, 1), choice,
+                                 prompt_top(request) if choice == 0 else None)
+                runs.append(_submit(deployment, req, prompt, params, text, session,
+                                    discard_output=max_tokens == 0))
         for run in runs:
             await _admitted(run)
     except BaseException:  # an error, or cancelled while queued: leave nothing behind
@@ -196,14 +222,19 @@ async def collect(run: Running) -> Result:
     parts: list[str] = []
     tokens: list[int] = []
     samples: list[Sample] = []
+    prompt: list[Sample] = []
     async for event in run.stream:
         parts.append(event.text)
         tokens += event.token_ids
         samples += event.samples
+        prompt += event.prompt_logprobs
         if event.finish_reason is FinishReason.ERROR:
             raise _engine_error(event)
         if event.finish_reason is not None:
-            return Result("".join(parts), event.finish_reason, event.timing, tokens, samples)
+            if run.discard_output:
+                return Result("", FinishReason.LENGTH, event.timing, [], [], prompt)
+            return Result("".join(parts), event.finish_reason, event.timing, tokens, samples,
+                          prompt)
     raise RuntimeError("the stream ended without a finish reason")
 
 
@@ -258,7 +289,7 @@ def timing_object(route_s: float, timing: Timing | None) -> dict[str, float]:
 def usage(runs: Sequence[Running], n: int) -> dict[str, int]:
     """Prompt tokens once per prompt (runs come n per prompt); completion tokens of all."""
     prompt = sum(r.stream.num_prompt_tokens for r in runs[::n])
-    completion = sum(len(r.stream.seq.output_token_ids) for r in runs)
+    completion = sum(len(r.stream.seq.output_token_ids) for r in runs if not r.discard_output)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 

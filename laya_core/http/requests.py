@@ -21,7 +21,7 @@ _UNSUPPORTED_UNLESS = {
     "response_format": (None, {"type": "text"}), "suffix": (None, ""),
     "functions": (None, []), "function_call": (None, "none"), "guided_json": None,
     "guided_regex": None, "guided_choice": None, "guided_grammar": None,
-    "prompt_logprobs": None, "use_beam_search": (None, False),
+    "use_beam_search": (None, False),
 }
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -49,6 +49,7 @@ class GenerationRequest:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: none; else top alternatives per token
+    prompt_logprobs: int | None = None  # vLLM's: None, or top alternatives per prompt token
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 
@@ -119,12 +120,12 @@ class _Body:
                               "or send its default", "unsupported_parameter")
 
 
-def _common(b: _Body, logprobs: int | None) -> GenerationRequest:
+def _common(b: _Body, logprobs: int | None, min_max_tokens: int = 1) -> GenerationRequest:
     b.refuse_unsupported()
     model = b.get("model", str)
     if not model:
         raise invalid("model", "'model' is required: name one of GET /v1/models", "missing")
-    max_tokens = b.integer("max_tokens", 1, INT32_MAX)
+    max_tokens = b.integer("max_tokens", min_max_tokens, INT32_MAX)
     newer = b.integer("max_completion_tokens", 1, INT32_MAX)  # wins when both are sent
     max_tokens = newer if newer is not None else max_tokens
     top_k = b.integer("top_k", -1, INT32_MAX, " (-1 or 0: off)") or 0
@@ -148,8 +149,13 @@ def _common(b: _Body, logprobs: int | None) -> GenerationRequest:
                                      and 0 <= t <= INT32_MAX for t in stop_ids):
         raise invalid("stop_token_ids", "'stop_token_ids' must be at most 64 token ids "
                       f"(0..{INT32_MAX})")
+    prompt_logprobs = b.integer("prompt_logprobs", 0, MAX_TOP_LOGPROBS,
+                                " (-1, the whole vocabulary, is not offered)")
+    if prompt_logprobs is not None and stream:
+        raise invalid("prompt_logprobs", "'prompt_logprobs' is not available with 'stream'; "
+                      "ask for one of them")
     return GenerationRequest(
-        n=n, logprobs=logprobs, stop_token_ids=tuple(stop_ids),
+        n=n, logprobs=logprobs, prompt_logprobs=prompt_logprobs, stop_token_ids=tuple(stop_ids),
         ignore_eos=b.get("ignore_eos", bool, False),
         presence_penalty=b.number("presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=b.number("frequency_penalty", 0.0, -2.0, 2.0),
@@ -223,7 +229,12 @@ def parse_completion(body: Any) -> CompletionRequest:
     top = b.get("logprobs", int)
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise invalid("logprobs", f"'logprobs' must be between 0 and {MAX_TOP_LOGPROBS}")
-    common = _common(b, top)
+    echo = b.get("echo", bool, False)
+    if b.body.get("max_tokens") == 0 and not echo and type(b.body["max_tokens"]) is int:
+        raise invalid("max_tokens", "'max_tokens' may be 0 only with 'echo': true (the prompt "
+                      "returned, scored when 'logprobs' is set, and nothing generated)")
+    # As OpenAI's legacy API: echo with max_tokens 0 returns the prompt alone.
+    common = _common(b, top, min_max_tokens=0 if echo else 1)
     raw = b.body.get("prompt")
     if isinstance(raw, list) and raw and all(isinstance(p, (str, list)) for p in raw):
         prompts = tuple(_prompt(p, f"prompt[{i}]") for i, p in enumerate(raw))
@@ -232,7 +243,6 @@ def parse_completion(body: Any) -> CompletionRequest:
     if len(prompts) * common.n > MAX_N:
         raise invalid("prompt", f"{len(prompts)} prompts x n={common.n} choices is more than "
                       f"{MAX_N} sequences for one request")
-    echo = b.get("echo", bool, False)
     if echo and common.stream:
         raise invalid("echo", "'echo' with 'stream' is not supported; ask for one of them")
     return CompletionRequest(common, prompts, echo)

@@ -61,10 +61,12 @@ def test_completion_logprobs_echo_and_prompt_lists(client: openai.OpenAI) -> Non
                                   max_tokens=3, temperature=0, logprobs=2, echo=True)
     choice = r.choices[0]
     assert choice.text.startswith("The capital of France is Paris")
-    lp = choice.logprobs
-    assert lp is not None and len(lp.tokens or []) == 3
-    assert all(len(t) == 2 for t in lp.top_logprobs or [])
-    assert lp.text_offset and lp.text_offset[0] == len("The capital of France is")
+    lp = choice.logprobs  # the prompt's 5 tokens (the first unscored), then the 3 generated
+    assert lp is not None and len(lp.tokens or []) == 5 + 3
+    assert lp.top_logprobs and lp.top_logprobs[0] is None
+    assert all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset and lp.text_offset[0] == 0
+    assert lp.text_offset[5] == len("The capital of France is")
     many = client.completions.create(model="smollm2", prompt=["1, 2, 3,", "a, b, c,"],
                                      max_tokens=4, temperature=0)
     assert [c.index for c in many.choices] == [0, 1]
