@@ -33,6 +33,9 @@ from laya_core.types import FinishReason, Sample, SamplingParams, Timing, TokenE
 
 log = logging.getLogger(__name__)
 _IDLE_POLL_S = 0.5
+# The ends counted in Engine.finished; a REJECTED one is a refusal, counted in rejections.
+_COUNTED_FINISHES = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.CANCELLED,
+                     FinishReason.ERROR)
 
 
 class EngineState(enum.Enum):
@@ -63,6 +66,8 @@ class _Live:
     queue: asyncio.Queue[TokenEvent]
     detokenizer: IncrementalDetokenizer
     started: bool = False  # admitted and known to the backend
+    last_token_time: float = 0.0  # perf_counter seconds
+    token_gaps: list[float] = attrs.field(factory=list)  # seconds between successive tokens
     # Prompt log-probabilities scored so far, sent with the first token.
     prompt_logprobs: list[Sample] = attrs.field(factory=list)
 
@@ -97,8 +102,14 @@ class Engine:
         self._lock = threading.Lock()  # guards the two counters below
         self._num_queued = 0  # submitted, not yet admitted or finished
         self.rejections: dict[str, int] = {"queue_full": 0, "queue_timeout": 0}
-        self.prefix_hits = 0  # sequences that reused cached KV instead of prefilling it
+        # Prefix cache, counted as vLLM does: prompt tokens looked up at admission (queried)
+        # and those whose KV was found (hit, not prefilled); plus the sequences that hit.
+        self.prefix_queried_tokens = 0
         self.prefix_tokens_reused = 0
+        self.prefix_hits = 0
+        # Sequences ended, by reason (refused ones are in ``rejections``); written by the
+        # engine thread only.
+        self.finished: dict[FinishReason, int] = dict.fromkeys(_COUNTED_FINISHES, 0)
         self._ready = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"laya-engine-{config.name}-{replica_id}", daemon=True)
@@ -295,6 +306,10 @@ class Engine:
         """Prepare the backend slot, with the reused prefix's KV in place when there is one."""
         slot = seq.slot
         assert slot is not None
+        assert self.scheduler is not None
+        # Every admitted prompt is looked up, except one whose log-probabilities are wanted.
+        if self.scheduler.config.prefix_caching and not seq.scores_prompt:
+            self.prefix_queried_tokens += seq.num_prompt_tokens
         if seq.reuse is None:
             self.backend.start_sequence(slot, seq.params)
             return
@@ -380,8 +395,12 @@ class Engine:
         if live.prompt_logprobs and not seq.output_token_ids:  # sent with the first token
             prompt, live.prompt_logprobs = tuple(live.prompt_logprobs), []
         seq.output_token_ids.append(token)
+        now = time.perf_counter()
         if seq.first_token_time is None:
-            seq.first_token_time = time.perf_counter()
+            seq.first_token_time = now
+        else:
+            live.token_gaps.append(now - live.last_token_time)
+        live.last_token_time = now
         assert self.info is not None
         params = seq.params
         finish: FinishReason | None = None
@@ -415,14 +434,17 @@ class Engine:
             self._dequeued()
         seq.finish_reason = reason
         seq.finished_time = time.perf_counter()
+        if reason in self.finished:
+            self.finished[reason] += 1
         del self._live[seq.seq_id]
-        self._emit(live, TokenEvent(text, token_ids, reason, error, _timing(seq), samples=samples,
+        timing = _timing(seq, live.token_gaps)
+        self._emit(live, TokenEvent(text, token_ids, reason, error, timing, samples=samples,
                                     prompt_logprobs=prompt_logprobs))
 
 
-def _timing(seq: Sequence) -> Timing:
+def _timing(seq: Sequence, token_gaps: list[float]) -> Timing:
     end = seq.finished_time or time.perf_counter()
     admitted = seq.admitted_time or end
     first = seq.first_token_time or end
     return Timing(queue_s=admitted - seq.arrival_time, prefill_s=first - admitted,
-                  decode_s=end - first)
+                  decode_s=end - first, token_gaps_s=tuple(token_gaps))

@@ -93,3 +93,6 @@ class Timing:
     queue_s: float  # arrival until admitted to the batch
     prefill_s: float  # admitted until its first token
     decode_s: float  # first token until the last
+    # Seconds between each token and the one before, as the engine thread handled them: one
+    # fewer than the tokens generated. Their sum is the decode time up to the last token.
+    token_gaps_s: tuple[float, ...] = ()
