@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse, Response
 
 from laya_core.chat_template import TemplateError
 from laya_core.deployment import Deployment
+from laya_core.http import access_log
 from laya_core.http import generation as gen
 from laya_core.http import openai_format as fmt
 from laya_core.http.body import json_body
@@ -20,7 +21,7 @@ from laya_core.http.errors import APIError, invalid
 from laya_core.http.observe import Observer
 from laya_core.http.requests import ChatRequest, CompletionRequest, parse_chat, parse_completion
 from laya_core.http.sse import SSEResponse
-from laya_core.types import FinishReason
+from laya_core.types import FinishReason, Timing
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -120,34 +121,44 @@ class CompletionHandlers:
 
     def _json(self, runs: list[gen.Running], req: ChatRequest | CompletionRequest,
               results: list[gen.Result], body: dict[str, Any]) -> Response:
-        timing = gen.combined_timing([r.timing for r in results])
-        route_s = max(r.route_s for r in runs)
+        timings = [r.timing for r in results]
         body["usage"] = gen.usage(runs, req.common.n)
-        self.observer.finished(req.common.model, route_s, timing, body["usage"])
+        self._finished(runs, req, timings, body["usage"])
+        route_s, timing = max(r.route_s for r in runs), gen.combined_timing(timings)
         return JSONResponse(body, headers={"Server-Timing": gen.server_timing(route_s, timing)})
+
+    def _finished(self, runs: list[gen.Running], req: ChatRequest | CompletionRequest,
+                  timings: list[Timing | None], usage: dict[str, int],
+                  error: str | None = None) -> None:
+        """Observe a complete response (a failed one only for the access log)."""
+        if error is None:
+            self.observer.finished(req.common.model, runs, timings, req.common.n)
+        access_log.note(req.common.model, usage, max(r.route_s for r in runs),
+                        gen.combined_timing(timings), error)
 
     def _stream(self, runs: list[gen.Running], req: ChatRequest | CompletionRequest,
                 chunk: Callable[[int, Any], dict[str, Any]], base: dict[str, Any]) -> Response:
         async def events() -> AsyncIterator[str]:
-            timings = []
+            timings: list[Timing | None] = [None] * len(runs)  # by choice, once finished
+            error = None
             try:
                 async for i, event in gen.merged(runs):
                     if event.finish_reason is FinishReason.ERROR:
                         yield json.dumps(APIError(500, f"generation failed: {event.error}",
                                                   code="engine_error").body())
+                        error = "engine_error"
                         break
                     if event.text or event.finish_reason or event.samples:
                         body = chunk(i, event)
                         if event.finish_reason:
-                            timings.append(event.timing)
+                            timings[i] = event.timing
                             body["laya_timing"] = gen.timing_object(runs[i].route_s,
                                                                     event.timing)
                         yield json.dumps(body)
                 usage = gen.usage(runs, req.common.n)
                 if req.common.include_usage:
                     yield json.dumps({**base, "choices": [], "usage": usage})
-                self.observer.finished(req.common.model, max(r.route_s for r in runs),
-                                       gen.combined_timing(timings), usage)
+                self._finished(runs, req, timings, usage, error)
                 yield "[DONE]"
             finally:
                 gen.release_all(runs)

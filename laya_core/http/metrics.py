@@ -1,7 +1,8 @@
 """Prometheus metrics, read from the deployment's live state at scrape time.
 
-Names follow vLLM's where one exists (``num_requests_running``, ``kv_cache_usage_perc``), under
-the ``laya:`` prefix.
+Names follow vLLM's where one exists (``num_requests_running``, ``kv_cache_usage_perc``,
+``request_success``), under the ``laya:`` prefix, with vLLM's meaning; docs/metrics.md lists
+every series.
 """
 
 from __future__ import annotations
@@ -12,8 +13,13 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from laya_core.deployment import Deployment
+from laya_core.types import FinishReason
 
 _LABELS = ["model_name", "replica"]
+# vLLM's finished_reason values: "abort" is a sequence cancelled because its client went away
+# (or the server stopped), "error" one the backend failed.
+_FINISHED_REASON = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
+                    FinishReason.CANCELLED: "abort", FinishReason.ERROR: "error"}
 
 
 class DeploymentCollector:
@@ -29,15 +35,23 @@ class DeploymentCollector:
         running = gauge("num_requests_running", "Sequences in the running batch.")
         waiting = gauge("num_requests_waiting", "Requests waiting for room in the KV cache.")
         usage = gauge("kv_cache_usage_perc", "Fraction of the KV pool in use (0 to 1).")
+        gpu_usage = gauge("gpu_cache_usage_perc",
+                          "kv_cache_usage_perc under vLLM's older name, for dashboards.")
         used = gauge("kv_cache_used_tokens", "KV cache tokens reserved by live sequences.")
         capacity = gauge("kv_cache_capacity_tokens", "Tokens the fixed KV pool holds.")
         cached = gauge("kv_cache_cached_tokens",
                        "KV tokens of finished sequences kept for prefix reuse (reclaimable).")
-        hits = CounterMetricFamily("laya:prefix_cache_hits", "Sequences that reused cached KV.",
+        queries = CounterMetricFamily("laya:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.",
+                                      labels=_LABELS)
+        hits = CounterMetricFamily("laya:prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache (not prefilled).",
                                    labels=_LABELS)
-        reused = CounterMetricFamily("laya:prefix_cache_tokens_reused",
-                                     "Prompt tokens not prefilled thanks to cached KV.",
-                                     labels=_LABELS)
+        hit_seqs = CounterMetricFamily("laya:prefix_cache_hit_sequences",
+                                       "Sequences that reused cached KV.", labels=_LABELS)
+        success = CounterMetricFamily("laya:request_success",
+                                      "Sequences ended, by vLLM's finished_reason.",
+                                      labels=[*_LABELS, "finished_reason"])
         rejected = CounterMetricFamily("laya:request_rejections", "Requests refused, by reason.",
                                        labels=[*_LABELS, "reason"])
         for e in d.engines:
@@ -45,16 +59,21 @@ class DeploymentCollector:
             running.add_metric(labels, e.num_running)
             waiting.add_metric(labels, e.num_waiting)
             usage.add_metric(labels, e.kv_usage)
+            gpu_usage.add_metric(labels, e.kv_usage)
             used.add_metric(labels, e.kv_used_tokens)
             capacity.add_metric(labels, e.kv_capacity_tokens)
             cached.add_metric(labels, e.kv_cached_tokens)
-            hits.add_metric(labels, e.prefix_hits)
-            reused.add_metric(labels, e.prefix_tokens_reused)
+            queries.add_metric(labels, e.prefix_queried_tokens)
+            hits.add_metric(labels, e.prefix_tokens_reused)
+            hit_seqs.add_metric(labels, e.prefix_hits)
+            for end, count in e.finished.items():
+                success.add_metric([*labels, _FINISHED_REASON[end]], count)
             for reason, count in e.rejections.items():
                 rejected.add_metric([*labels, reason], count)
         for (model, reason), count in d.rejections.items():
             rejected.add_metric([model, "", reason], count)
-        yield from (running, waiting, usage, used, capacity, cached, hits, reused, rejected)
+        yield from (running, waiting, usage, gpu_usage, used, capacity, cached, queries, hits,
+                    hit_seqs, success, rejected)
         if d.plan is not None:
             budget = GaugeMetricFamily("laya:memory_budget_bytes", "The memory budget in force.")
             budget.add_metric([], d.plan.budget.bytes)
