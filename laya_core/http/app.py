@@ -17,6 +17,7 @@ from starlette.routing import Route
 from laya_core.chat_template import TemplateError
 from laya_core.deployment import Deployment
 from laya_core.http import generation as gen
+from laya_core.http.access_log import AccessLogMiddleware
 from laya_core.http.auth import ApiKeyMiddleware
 from laya_core.http.body import json_body
 from laya_core.http.completions import CompletionHandlers
@@ -130,5 +131,7 @@ def create_app(deployment: Deployment) -> Starlette:
         app.add_middleware(ApiKeyMiddleware, keys=server.api_keys, open_paths=open_paths)
     if server.cors_origins:  # added last, so it wraps the key check (see laya_core/http/cors.py)
         app.add_middleware(Cors, **cors_options(server.cors_origins))
+    if server.access_log:  # outermost, so what the layers inside refuse is logged too
+        app.add_middleware(AccessLogMiddleware)
     app.state.deployment = deployment
     return app
