@@ -296,10 +296,44 @@ def cmd_plan(args: argparse.Namespace, registry: Registry) -> int:
         print(json.dumps(plan.to_json(), indent=2))
     elif args.systemd:
         path = Path(source.path) if source and source.kind == "manifest" else None
-        print(systemd.unit(plan, path), end="")
+        try:
+            text = systemd.unit(plan, path, args.user, _serve_args(args, source))
+        except ValueError as e:
+            raise mf.ManifestError("--user", str(e)) from None
+        print(text, end="")
     else:
         print(planner.format_plan(plan))
     return 0 if plan.fits else 1
+
+
+def _serve_args(args: argparse.Namespace, source: sources.Source | None) -> list[str]:
+    """``laya serve``'s arguments after the manifest that give what this run was given: the
+    model and every setting from a flag or variable, except API keys, which a unit file
+    (readable by all) must not hold."""
+    out = []
+    model, _ = _model_source(args)
+    if source is not None and source.kind == "model":
+        model = source.path
+    if model is not None:
+        out += ["--model", model if model.startswith("embedded:")
+                else str(Path(model).expanduser().absolute())]
+    for s in SETTINGS:
+        if s.key == "api_keys":
+            continue
+        for o in _overrides(args, Problems()):
+            if o.key_path != s.key_path():
+                continue
+            if isinstance(o.value, bool):
+                out.append(s.flags[0] if o.value else f"--no-{s.flags[0][2:]}")
+            elif isinstance(o.value, list):
+                out += [x for v in o.value for x in (s.flags[0], v)]
+            else:
+                out += [s.flags[0], str(o.value)]
+    if any(o.key_path == "server.api_keys" for o in _overrides(args, Problems())):
+        print("laya: the API keys are not written into the unit: give them to the service "
+              "in LAYA_API_KEY (systemctl edit: Environment=) or a [server] api_keys_file",
+              file=sys.stderr)
+    return out
 
 
 def cmd_serve(args: argparse.Namespace, registry: Registry) -> int:
@@ -363,6 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--json", action="store_true", help="one JSON object")
     out.add_argument("--systemd", action="store_true",
                      help="a systemd unit with MemoryMax from the plan")
+    plan.add_argument("--user", default=systemd.DEFAULT_USER,
+                      help="the system user the systemd unit runs as (default: %(default)s)")
     plan.set_defaults(func=cmd_plan)
     serve = sub.add_parser("serve", help="serve a manifest or one model (default: the "
                            "embedded model)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from laya_core.budget import HEADROOM_FRACTION, MIN_HEADROOM_BYTES
@@ -16,22 +17,33 @@ DEFAULT_USER = "laya"
 _NAME_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")  # useradd's portable user names
 
 
+def _quoted(arg: str) -> str:
+    """One ExecStart argument: systemd splits on spaces and reads double quotes and
+    backslash escapes; ``%`` and ``$`` are its specifiers and variables."""
+    escaped = arg.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+    escaped = escaped.replace("$", "$$")
+    return f'"{escaped}"' if any(c in arg for c in " \t\"'\\%$;") or not arg else escaped
+
+
 def memory_max(plan: Plan) -> int:
     """The smallest MemoryMax under which Laya's own budget (limit less headroom) holds the plan."""
     needed = (plan.total_bytes + MIN_HEADROOM_BYTES) / (1 - HEADROOM_FRACTION)
     return math.ceil(needed / 2**20) * 2**20
 
 
-def unit(plan: Plan, manifest: Path | None, user: str = DEFAULT_USER) -> str:
+def unit(plan: Plan, manifest: Path | None, user: str = DEFAULT_USER,
+         serve_args: Sequence[str] = ()) -> str:
     """The unit text. ``user`` (and its group of the same name) must exist and be able to
-    read the venv, the manifest and the model files; README.md says how to create it."""
+    read the venv, the manifest and the model files; README.md says how to create it.
+    ``serve_args`` follow the manifest on ``laya serve``'s command line (a model, flags)."""
     if not _NAME_RE.match(user) or user == "root":
         raise ValueError(f"{user!r} is not a user name the unit can run as: give an "
                          "unprivileged system user such as 'laya' (lower case, digits, _ -)")
     limit = memory_max(plan)
-    serve = f"{sys.executable} -m laya_core.cli serve"
+    serve = f"{_quoted(sys.executable)} -m laya_core.cli serve"
     if manifest is not None:
-        serve += f" {manifest.resolve()}"
+        serve += f" {_quoted(str(manifest.resolve()))}"
+    serve += "".join(f" {_quoted(arg)}" for arg in serve_args)
     workdir = manifest.resolve().parent if manifest else Path.cwd()
     files = [workdir, *(Path(r.config.path) for r in plan.replicas)]
     # A private /tmp would hide a manifest or model kept in the real one.

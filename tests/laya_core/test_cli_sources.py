@@ -155,3 +155,17 @@ def test_serve_a_gguf_file_with_flags_and_the_openai_client(gguf: str, tmp_path:
         assert replica["runtime"]["n_threads"] == 1, replica
     finally:
         assert server.stop() == 0, server.log()
+
+
+def test_a_systemd_unit_serves_what_the_plan_was_given(gguf: str) -> None:
+    key = "secret-key-0123456789"
+    out = laya("plan", gguf, "--systemd", "--user", "svc", "-np", "2", "--no-access-log",
+               "--api-key", key, env={"LAYA_MAX_MODEL_LEN": "1024"})
+    assert out.returncode == 0, out.stderr
+    (exec_start,) = [x for x in out.stdout.splitlines() if x.startswith("ExecStart=")]
+    assert exec_start.endswith(f"serve --model {gguf} --max-model-len 1024 --max-num-seqs 2 "
+                               "--no-access-log")
+    assert "User=svc" in out.stdout.splitlines()
+    assert key not in out.stdout and "LAYA_API_KEY" in out.stderr
+    refused = laya("plan", "--systemd", "--user", "root")
+    assert refused.returncode == 2 and "--user" in refused.stderr
