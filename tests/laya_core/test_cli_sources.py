@@ -139,7 +139,8 @@ def test_serve_a_gguf_file_with_flags_and_the_openai_client(gguf: str, tmp_path:
     key = "test-key-0123456789"
     server = ServerProcess(None, tmp_path, env={"LAYA_API_KEY": "ignored-key-000"}, args=[
         gguf, "--served-model-name", "smol", "--api-key", key, "--max-model-len", "512",
-        "--max-num-seqs", "2", "--threads", "1", "--host", "127.0.0.1"])
+        "--max-num-seqs", "2", "--threads", "1", "--host", "127.0.0.1", "--no-access-log",
+        "--allowed-origins", '["https://app.example.com"]'])
     try:
         server.wait_ready(api_key=key)
         assert httpx.get(f"{server.url}/v1/models").status_code == 401
@@ -153,8 +154,14 @@ def test_serve_a_gguf_file_with_flags_and_the_openai_client(gguf: str, tmp_path:
         ready = httpx.get(f"{server.url}/ready", headers={"Authorization": f"Bearer {key}"})
         (replica,) = ready.json()["replicas"]
         assert replica["runtime"]["n_threads"] == 1, replica
+        preflight = httpx.options(f"{server.url}/v1/chat/completions", headers={
+            "Origin": "https://app.example.com", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization"})
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == "https://app.example.com"
     finally:
         assert server.stop() == 0, server.log()
+    assert "laya.access" not in server.log()
 
 
 def test_a_systemd_unit_serves_what_the_plan_was_given(gguf: str) -> None:
