@@ -30,7 +30,8 @@ def chat_logprobs(samples: Sequence[Sample], token_bytes: TokenBytes) -> dict[st
 def completion_logprobs(samples: Sequence[Sample], token_bytes: TokenBytes,
                         offset: int = 0, top: int | None = None) -> dict[str, Any]:
     """OpenAI's legacy ``logprobs`` object; ``top`` cuts the alternatives listed (the prompt's
-    may have been computed with more, for ``prompt_logprobs``)."""
+    may have been computed with more, for ``prompt_logprobs``). Each ``top_logprobs`` entry
+    holds the ``top`` likeliest tokens and the chosen one: up to ``top + 1`` entries."""
     tokens: list[str] = []
     logprobs: list[float | None] = []
     tops: list[dict[str, float] | None] = []
@@ -41,7 +42,10 @@ def completion_logprobs(samples: Sequence[Sample], token_bytes: TokenBytes,
         offset += len(text)
         tokens.append(text)
         logprobs.append(s.logprob)
-        tops.append({_text(token_bytes, t)[0]: lp for t, lp in s.top[:top]})
+        alternatives = {_text(token_bytes, t)[0]: lp for t, lp in s.top[:top]}
+        if s.logprob is not None:  # the chosen token is always listed, as OpenAI does
+            alternatives.setdefault(text, s.logprob)
+        tops.append(alternatives)
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops,
             "text_offset": offsets}
 
