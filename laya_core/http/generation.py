@@ -137,7 +137,7 @@ def _submit(deployment: Deployment, req: GenerationRequest, prompt: list[int],
     except RequestTooLongError as e:
         deployment.rejections[req.model, "too_long"] += 1
         deployment.router.release(replica)
-        raise invalid("max_tokens", str(e), "context_length_exceeded") from None
+        raise invalid(req.max_tokens_param, str(e), "context_length_exceeded") from None
     except QueueFullError as e:
         deployment.router.release(replica)
         raise APIError(429, str(e), code="queue_full", retry_after=QUEUE_RETRY_AFTER_S) from None

@@ -52,6 +52,8 @@ class GenerationRequest:
     prompt_logprobs: int | None = None  # vLLM's: None, or top alternatives per prompt token
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # The field the client limited the output with, for errors about it.
+    max_tokens_param: str = "max_tokens"
 
 
 @attrs.frozen
@@ -156,6 +158,7 @@ def _common(b: _Body, logprobs: int | None, min_max_tokens: int = 1) -> Generati
                       "ask for one of them")
     return GenerationRequest(
         n=n, logprobs=logprobs, prompt_logprobs=prompt_logprobs, stop_token_ids=tuple(stop_ids),
+        max_tokens_param="max_tokens" if newer is None else "max_completion_tokens",
         ignore_eos=b.get("ignore_eos", bool, False),
         presence_penalty=b.number("presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=b.number("frequency_penalty", 0.0, -2.0, 2.0),

@@ -118,6 +118,11 @@ def test_errors_use_the_openai_shape(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as long:
         client.completions.create(model="smollm2", prompt="hi " * 600, max_tokens=1000)
     assert long.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
+    assert long.value.body["param"] == "max_tokens"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as newer:  # the error names the field sent
+        client.chat.completions.create(model="smollm2", messages=CHAT,
+                                       max_completion_tokens=5000)
+    assert newer.value.body["param"] == "max_completion_tokens"  # type: ignore[index]
 
 
 def test_malformed_json_is_a_400(smollm_server: ServerProcess) -> None:
