@@ -14,7 +14,10 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from laya_core.backend import Backend, ModelInfo, StepItem, StepResult
+from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem, StepResult
+from laya_core.cache import BlockCachePolicy
+from laya_core.engine import Engine
+from laya_core.scheduler import FcfsScheduler
 from laya_core.types import Sample, SamplingParams
 
 END = 256
@@ -93,3 +96,12 @@ class ToyBackend(Backend):
         self.fed.pop(slot)
         self.prompt_len.pop(slot, None)
 
+
+
+def started_engine(**config: object) -> Engine:
+    """An engine of the toy backend, loaded; ``config`` holds ModelConfig fields."""
+    cfg = ModelConfig(name="toy", backend="toy", path="-", **config)  # type: ignore[arg-type]
+    engine = Engine(cfg, ToyBackend(cfg), FcfsScheduler, BlockCachePolicy)
+    engine.start()
+    assert engine.wait_ready(5)
+    return engine

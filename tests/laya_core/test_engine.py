@@ -5,21 +5,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from toy_backend import ToyBackend
+from toy_backend import started_engine
 
-from laya_core.backend import ModelConfig
-from laya_core.cache import BlockCachePolicy
 from laya_core.engine import Engine, RequestTooLongError
-from laya_core.scheduler import FcfsScheduler
 from laya_core.types import FinishReason, SamplingParams
 
 
 def engine(**config: object) -> Engine:
-    cfg = ModelConfig(name="toy", backend="toy", path="-", **{"max_seq_len": 64, **config})
-    e = Engine(cfg, ToyBackend(cfg), FcfsScheduler, BlockCachePolicy)
-    e.start()
-    assert e.wait_ready(5)
-    return e
+    return started_engine(**{"max_seq_len": 64, **config})
 
 
 def test_cancel_leaves_at_the_next_step_and_frees_the_cache() -> None:

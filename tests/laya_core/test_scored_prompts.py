@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from toy_backend import ToyBackend
+from toy_backend import ToyBackend, started_engine
 
 from laya_core.backend import ModelConfig
 from laya_core.cache import BlockCachePolicy
@@ -76,11 +76,7 @@ def test_the_step_budget_bounds_the_scored_rows() -> None:
 
 
 def toy_engine(**config: object) -> Engine:
-    cfg = ModelConfig(name="toy", backend="toy", path="-", **{"max_seq_len": 512, **config})
-    e = Engine(cfg, ToyBackend(cfg), FcfsScheduler, BlockCachePolicy)
-    e.start()
-    assert e.wait_ready(5)
-    return e
+    return started_engine(**{"max_seq_len": 512, **config})
 
 
 def generate(e: Engine, prompt: bytes, params: SamplingParams) -> list[TokenEvent]:
