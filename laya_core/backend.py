@@ -97,7 +97,7 @@ class Backend(abc.ABC):
     """
 
     name: ClassVar[str]
-    # KV cache element types this backend can store (see memory_plan.KV_DTYPES).
+    # KV cache element types this backend can store (a subset of kv_dtypes.KV_DTYPES).
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("f16",)
     # Whether share_prefix and start_sequence(keep_tokens=) work, enabling prefix reuse.
     supports_prefix_sharing: ClassVar[bool] = False

@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 
 from laya_core.backend import ModelConfig
+from laya_core.kv_dtypes import KV_DTYPE_NAMES
 from laya_core.manifest_table import (
     ManifestError,
     Problems,
@@ -92,7 +93,7 @@ def _router(data: Any, problems: Problems) -> RouterConfig:
 MODEL_KEYS = ("name", "backend", "path", "max_seq_len", "max_num_seqs", "kv_cache_tokens",
               "kv_cache_dtype", "prefix_caching", "routing", "replicas", "max_step_tokens",
               "max_queue", "queue_timeout_s", "scheduler", "cache_policy", "options")
-KV_CACHE_DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+KV_CACHE_DTYPES = KV_DTYPE_NAMES
 
 
 def _name_problem(v: str) -> str | None:

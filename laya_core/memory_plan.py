@@ -13,10 +13,9 @@ import attrs
 
 from laya_core.backend import ModelConfig
 from laya_core.budget import Budget
+from laya_core.kv_dtypes import KV_DTYPES
 from laya_core.model_files import ModelShape
 
-# (elements per block, bytes per block) of the KV cache element types.
-KV_DTYPES = {"f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18)}
 # The Python interpreter, Laya, the HTTP stack and the backend libraries, once per process.
 # Measured: 54 MiB after importing everything with llama_cpp; the rest is thread stacks and
 # allocator slack under load.

@@ -66,11 +66,19 @@ def plugin_source(pm: pluggy.PluginManager, plugin: object) -> str:
 
 
 def collect(pm: pluggy.PluginManager, family: str) -> dict[str, Registered]:
-    """Ask every plugin of the manager to register its members of one family."""
+    """Ask every plugin of the manager to register its members of one family.
+
+    The hook is called through pluggy, one registering plugin at a time (a subset caller
+    that leaves the other registering plugins out, wrappers kept), so pluggy's argument
+    matching, wrappers and tracing apply, and each member is credited to its plugin.
+    """
     hook_name = _HOOK_OF_FAMILY[family]
     found: dict[str, Registered] = {}
-    for impl in getattr(pm.hook, hook_name).get_hookimpls():
-        source = plugin_source(pm, impl.plugin)
+    # Wrappers (tracing, policy) wrap every call; the others each register their members.
+    plugins = [impl.plugin for impl in getattr(pm.hook, hook_name).get_hookimpls()
+               if not (impl.wrapper or impl.hookwrapper)]
+    for plugin in plugins:
+        source = plugin_source(pm, plugin)
 
         def register(name: str, obj: Any, _source: str = source) -> None:
             if name in found:
@@ -80,7 +88,8 @@ def collect(pm: pluggy.PluginManager, family: str) -> dict[str, Registered]:
                 )
             found[name] = Registered(family, name, obj, _source)
 
-        impl.function(register=register)
+        others = [p for p in plugins if p is not plugin]
+        pm.subset_hook_caller(hook_name, remove_plugins=others)(register=register)
     return found
 
 

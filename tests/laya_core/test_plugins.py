@@ -109,3 +109,33 @@ def test_manifest_selects_in_test_plugins_end_to_end(toy_deployment: Deployment)
     # Prompts of 13 tokens went through in chunks of the 8-token step budget.
     assert max(sum(len(i.tokens) for i in step) for step in engine.backend.steps) == 8
     assert engine.kv_usage == 0.0 and engine.num_running == 0
+
+
+def test_hooks_are_called_through_pluggy_so_wrappers_see_each_call() -> None:
+    """A hook wrapper (a tracing or policy plugin) wraps every plugin's registration."""
+    seen: list[str] = []
+
+    class Wrapper:
+        @hookimpl(wrapper=True)
+        def register_backends(self, register):  # type: ignore[no-untyped-def]
+            result = yield
+            seen.append(register.__name__)
+            return result
+
+    registry = load_registry(extra_plugins=[Wrapper(), InTestPlugin()])
+    assert "toy" in registry.backends and "llamacpp" in registry.backends
+    assert registry.backends["toy"].source.startswith("registered in code")
+    # Once per registering plugin (the built-in ones, the entry points, InTestPlugin):
+    # pluggy ran the wrapper around each call.
+    assert len(seen) == len(registry.plugin_manager.hook.register_backends.get_hookimpls()) - 1
+
+
+def test_one_list_of_kv_dtypes() -> None:
+    from laya_core.kv_dtypes import KV_DTYPE_NAMES, KV_DTYPES
+    from laya_core.memory_plan import kv_bytes_per_token
+
+    assert mf.KV_CACHE_DTYPES == KV_DTYPE_NAMES == tuple(KV_DTYPES)
+    registry = load_registry()
+    for entry in registry.backends.values():
+        assert set(entry.obj.kv_cache_dtypes) <= set(KV_DTYPE_NAMES), entry.name
+    assert callable(kv_bytes_per_token)

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem, StepResult
+from laya_core.kv_dtypes import KV_DTYPE_NAMES
 from laya_core.memory_plan import (
     MemoryProfile,
     Overhead,
@@ -89,7 +90,7 @@ class LlamaCppBackend(Backend):
     """
 
     name = "llamacpp"
-    kv_cache_dtypes = ("f16", "f32", "bf16", "q8_0", "q4_0")
+    kv_cache_dtypes = KV_DTYPE_NAMES  # ggml stores every type Laya knows
     supports_prefix_sharing = True
     supports_prompt_logprobs = True
     option_names = frozenset({"n_threads", "repack", "use_mmap", "flash_attn", "kv_unified"})
