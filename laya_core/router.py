@@ -70,16 +70,31 @@ def prefix_hashes(
     if max_blocks is not None:
         num_blocks = min(num_blocks, max_blocks)
     num_bytes = 4 * block_size  # tokens are packed as little-endian uint32
-    try:
-        data = struct.pack(f"<{num_blocks * block_size}I", *token_ids[: num_blocks * block_size])
-    except struct.error:
-        raise ValueError("token ids must be integers in [0, 2**32)") from None
+    data = _pack(token_ids[: num_blocks * block_size])
     digest, hashes = b"", []
     for start in range(0, len(data), num_bytes):
         # Chaining the previous digest makes hash i depend on every block before it.
         digest = hashlib.blake2b(digest + data[start : start + num_bytes], digest_size=8).digest()
         hashes.append(int.from_bytes(digest, "little"))
     return tuple(hashes)
+
+
+def next_block_hash(previous: int | None, block: Sequence[int]) -> int:
+    """The hash of ``block`` following the block hashed ``previous`` (None: the first block).
+
+    The same chain as :func:`prefix_hashes`, one block at a time: the KV manager hashes a
+    sequence's blocks as they fill, and a block it caches has the hash the router routes by.
+    """
+    digest = b"" if previous is None else previous.to_bytes(8, "little")
+    digest = hashlib.blake2b(digest + _pack(block), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _pack(token_ids: Sequence[int]) -> bytes:
+    try:
+        return struct.pack(f"<{len(token_ids)}I", *token_ids)
+    except struct.error:
+        raise ValueError("token ids must be integers in [0, 2**32)") from None
 
 
 class Router(Protocol):
