@@ -21,11 +21,7 @@ import attrs
 from laya_core.backend import Backend, ModelConfig, ModelInfo
 from laya_core.cache import CachePolicy
 from laya_core.detokenizer import IncrementalDetokenizer
-from laya_core.memory_plan import (
-    DEFAULT_MAX_NUM_SEQS,
-    DEFAULT_MAX_SEQ_LEN,
-    scored_tokens_per_step,
-)
+from laya_core.memory_plan import scored_tokens_per_step, sizes_for
 from laya_core.scheduler import Scheduler, SchedulerConfig
 from laya_core.sequence import Sequence
 from laya_core.stream import ADMITTED, GenerationStream, deliver
@@ -91,6 +87,7 @@ class Engine:
         self.error: str | None = None
         self.info: ModelInfo | None = None
         self.max_seq_len = 0
+        self.sizes: ModelConfig | None = None  # the config with its pool sizes decided
         self.scheduler: Scheduler | None = None
         # What the engine thread is asked: a request to add, a sequence id to cancel, or None
         # to stop.
@@ -226,14 +223,15 @@ class Engine:
 
     def _load(self) -> None:
         self.info = self.backend.load_weights()
-        # A planned config has every size decided; a hand-made one gets the same defaults.
-        self.max_seq_len = self.config.max_seq_len or min(DEFAULT_MAX_SEQ_LEN,
-                                                          self.info.n_ctx_train)
-        num_seqs = self.config.max_num_seqs or DEFAULT_MAX_NUM_SEQS
-        pool_tokens = self.config.kv_cache_tokens or self.max_seq_len * num_seqs
+        # A planned config has every size decided; a hand-made one is decided here by the
+        # same computation as `laya plan`'s.
+        self.sizes = sizes = sizes_for(self.config, self.info.n_ctx_train)
+        assert sizes.max_seq_len and sizes.max_num_seqs and sizes.kv_cache_tokens
+        self.max_seq_len = sizes.max_seq_len
+        num_seqs, pool_tokens = sizes.max_num_seqs, sizes.kv_cache_tokens
         cache = self._cache_cls(pool_tokens)
         self.backend.allocate_cache(n_ctx=pool_tokens, max_num_seqs=num_seqs)
-        step_tokens = max(num_seqs, self.config.max_step_tokens)
+        step_tokens = sizes.max_step_tokens
         sched_config = SchedulerConfig(
             num_seqs, step_tokens,
             prefix_caching=self.config.prefix_caching and self.backend.supports_prefix_sharing,

@@ -138,12 +138,19 @@ class Plan:
 
 
 def decide_sizes(config: ModelConfig, shape: ModelShape) -> ModelConfig:
-    """Fill in max_seq_len (smaller of 4096 and the model's own) and the KV pool size.
+    """Fill in max_seq_len (smaller of 4096 and the model's own) and the KV pool size."""
+    return sizes_for(config, shape.n_ctx_train)
 
-    With ``kv_cache_tokens`` and no explicit ``max_num_seqs``, the number of sequences is how
+
+def sizes_for(config: ModelConfig, n_ctx_train: int) -> ModelConfig:
+    """``config`` with max_seq_len, max_num_seqs, kv_cache_tokens and max_step_tokens decided.
+
+    The one computation of pool sizes: ``laya plan`` runs it on the file's header, the engine
+    on the loaded model, and a config it has already decided comes back unchanged. With
+    ``kv_cache_tokens`` and no explicit ``max_num_seqs``, the number of sequences is how
     many full-length ones the pool holds (at least 1).
     """
-    max_seq_len = config.max_seq_len or min(DEFAULT_MAX_SEQ_LEN, shape.n_ctx_train)
+    max_seq_len = config.max_seq_len or min(DEFAULT_MAX_SEQ_LEN, n_ctx_train)
     if config.kv_cache_tokens is not None:
         pool = config.kv_cache_tokens
         if pool < max_seq_len:
