@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextvars
 import logging
 import time
+from collections.abc import Mapping
+from typing import Any
 
 import attrs
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -50,7 +52,7 @@ _record: contextvars.ContextVar[_Record | None] = contextvars.ContextVar(
     "laya_access_record", default=None)
 
 
-def note(model: str, usage: dict[str, int], route_s: float, timing: Timing | None,
+def note(model: str, usage: Mapping[str, Any], route_s: float, timing: Timing | None,
          error: str | None = None) -> None:
     """Add a completion's model, tokens and timing to the current request's line, if any."""
     record = _record.get()
@@ -68,6 +70,13 @@ def note(model: str, usage: dict[str, int], route_s: float, timing: Timing | Non
     record.fields |= fields
 
 
+def _printable(path: str) -> str:
+    """The path as one log line can hold it: a %0A in a URL must not forge a second line."""
+    if path.isprintable() and " " not in path:
+        return path
+    return "".join(c if c.isprintable() and c != " " else f"\\x{ord(c):02x}" for c in path)
+
+
 class AccessLogMiddleware:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -76,7 +85,7 @@ class AccessLogMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        record = _Record(scope["method"], scope["path"], time.perf_counter())
+        record = _Record(scope["method"], _printable(scope["path"]), time.perf_counter())
 
         async def watched_receive() -> Message:
             message = await receive()

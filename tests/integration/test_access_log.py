@@ -41,15 +41,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     manifest = SMOLLM_MANIFEST.replace("[server]\n", f'[server]\napi_keys = ["{KEY}"]\n')
     s = ServerProcess(manifest, tmp_path_factory.mktemp("access_log"))
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{s.url}/ready", headers=AUTH, timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and s.proc.poll() is None, s.log()
-            time.sleep(0.1)
+        s.wait_ready(api_key=KEY)
         yield s
     finally:
         assert s.stop() == 0, s.log()
@@ -126,6 +118,13 @@ def test_a_refused_request_is_logged_with_its_status(
     assert len(lines) == before + 1
     assert (lines[-1]["method"], lines[-1]["status"]) == (method, status)
     assert "model" not in lines[-1] and ms(lines[-1]["total_ms"]) >= 0
+
+
+def test_a_path_cannot_forge_a_log_line(server: ServerProcess) -> None:
+    r = httpx.get(f"{server.url}/v1/x%0Alaya.access:%20GET%20/forged%20200", timeout=30)
+    assert r.status_code == 401
+    assert not logged(server, "/forged")
+    assert logged(server, "/v1/x\\x0alaya.access:\\x20GET\\x20/forged\\x20200")
 
 
 def test_a_refused_completion_is_logged_with_its_status(server: ServerProcess) -> None:
