@@ -78,6 +78,11 @@ class StepItem:
     sample: bool
     score_targets: Sequence[int] = ()
     score_top: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    # Paged layouts (``Backend.kv_layout == "paged"``): the pool blocks holding positions
+    # 0 .. of this sequence, ``block_size`` tokens each; position p is in
+    # ``block_table[p // block_size]``. Blocks before ``start_pos`` may be shared with other
+    # sequences (a cached prefix) and are only read. Empty for the streams layout.
+    block_table: Sequence[int] = ()
 
 
 @attrs.frozen
@@ -99,6 +104,10 @@ class Backend(abc.ABC):
     name: ClassVar[str]
     # KV cache element types this backend can store (a subset of kv_dtypes.KV_DTYPES).
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("f16",)
+    # How the KV pool is laid out: "paged" (the core's KV manager hands out blocks and each
+    # StepItem carries its block table) or "streams" (a KV stream per sequence, kept by the
+    # backend's own cache policy).
+    kv_layout: ClassVar[str] = "streams"
     # Whether share_prefix and start_sequence(keep_tokens=) work, enabling prefix reuse.
     supports_prefix_sharing: ClassVar[bool] = False
     # Whether a running sequence can change slots (``move_sequence``); backends whose batches

@@ -121,6 +121,10 @@ class KVManager:
         self._hashes[seq_id] = [self._hash[b] for b in hits]  # type: ignore[misc]
         return len(hits) * self.block_size
 
+    def num_indexed_blocks(self, seq_id: int) -> int:
+        """Leading blocks of ``seq_id`` already hashed (``cache_blocks`` starts after them)."""
+        return len(self._hashes[seq_id])
+
     def block_table(self, seq_id: int) -> tuple[int, ...]:
         return tuple(self._tables[seq_id])
 

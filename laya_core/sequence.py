@@ -37,6 +37,9 @@ class Sequence:
     # Set at admission when the KV of a leading part of the prompt already exists in the cache:
     # (slot holding it, number of tokens). The engine has the backend share it before prefill.
     reuse: tuple[int, int] | None = None
+    # Leading prompt tokens whose KV came from the prefix cache at admission (not computed):
+    # what usage.prompt_tokens_details.cached_tokens reports.
+    num_cached_tokens: int = 0
     # Timestamps (perf_counter seconds) for per-layer timing.
     admitted_time: float | None = None
     first_token_time: float | None = None
