@@ -17,6 +17,7 @@ import attrs
 from laya_core.types import Sample, SamplingParams
 
 if TYPE_CHECKING:
+    from laya_core.allowed_tokens import AllowedTokens
     from laya_core.memory_plan import MemoryProfile
     from laya_core.model_files import ModelShape
 
@@ -70,6 +71,13 @@ class StepItem:
     target per fed token, or one fewer where the last row samples instead. The scheduler
     keeps the scored rows of a step within ``memory_plan.scored_tokens_per_step``, so the
     logits they need are in the memory plan.
+
+    ``allowed_tokens`` (only where ``sample``; None: no constraint) is the set the sampled
+    token must come from. The backend masks every other token out before it samples, so
+    penalties, top-k, top-p, min-p, temperature and the draw (or the greedy pick) work on
+    the allowed tokens only, and a masked token is never sampled. Log-probabilities are
+    still the model's own, unmasked. A mask that allows nothing fails this item alone
+    (``StepResult.error``).
     """
 
     slot: int
@@ -78,6 +86,7 @@ class StepItem:
     sample: bool
     score_targets: Sequence[int] = ()
     score_top: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    allowed_tokens: AllowedTokens | None = None
     # Paged layouts (``Backend.kv_layout == "paged"``): the pool blocks holding positions
     # 0 .. of this sequence, ``block_size`` tokens each; position p is in
     # ``block_table[p // block_size]``. Blocks before ``start_pos`` may be shared with other
@@ -91,6 +100,9 @@ class StepResult:
 
     sample: Sample | None = None  # the sampled token, where ``item.sample``
     scores: tuple[Sample, ...] = ()  # one per ``item.score_targets``, in order, with ranks
+    # Why this item could not be sampled (its mask allowed no token), said to the client;
+    # the engine fails its sequence alone, and the rest of the step stands.
+    error: str | None = None
 
 
 class Backend(abc.ABC):
@@ -200,7 +212,7 @@ class Backend(abc.ABC):
         its log-probability (and ``params.logprobs`` alternatives) when the sequence's
         ``SamplingParams.logprobs`` is not None; and the scores of ``item.score_targets``
         (only asked of backends with ``supports_prompt_logprobs``). Log-probabilities are
-        the model's own (raw logits, before penalties and truncation).
+        the model's own (raw logits, before the mask, penalties and truncation).
         """
 
     @abc.abstractmethod

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import attrs
 
+from laya_core.allowed_tokens import TokenConstraint
 from laya_core.backend import Backend, ModelConfig, ModelInfo
 from laya_core.cache import CachePolicy
 from laya_core.detokenizer import IncrementalDetokenizer
@@ -137,8 +138,11 @@ class Engine:
                 f"max_seq_len of {self.max_seq_len}; shorten the prompt or lower max_tokens")
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
-               loop: asyncio.AbstractEventLoop | None = None) -> GenerationStream:
-        """Queue a request; call from the event loop that will read the stream."""
+               loop: asyncio.AbstractEventLoop | None = None,
+               constraint: TokenConstraint | None = None) -> GenerationStream:
+        """Queue a request; call from the event loop that will read the stream.
+        ``constraint``: what the sequence may sample at each step (``Sequence.constraint``);
+        it is called on the engine thread."""
         if self.state is not EngineState.READY:
             raise EngineUnavailableError(
                 f"{self.config.name} replica {self.replica_id} is {self.state.value}")
@@ -163,7 +167,7 @@ class Engine:
                     "and max_queue is 0; retry later")
             self._num_queued += 1
         loop = loop or asyncio.get_running_loop()
-        seq = Sequence(next(self._ids), list(prompt_token_ids), params)
+        seq = Sequence(next(self._ids), list(prompt_token_ids), params, constraint=constraint)
         stream = GenerationStream(seq, self.cancel)
         detok = IncrementalDetokenizer(self.backend.token_bytes, params.stop)
         self._inbox.put(_Live(seq, loop, stream.queue, detok))
@@ -381,7 +385,9 @@ class Engine:
             c.seq.num_computed += len(c.tokens)
             live = self._live[c.seq.seq_id]
             live.prompt_logprobs += result.scores
-            if result.sample is not None:
+            if result.error is not None:  # this sequence alone could not go on
+                self._finish(live, FinishReason.ERROR, "", result.error)
+            elif result.sample is not None:
                 self._on_token(live, result.sample)
         if not self.scheduler.has_work:
             self._flush()  # no next step to carry them

@@ -33,11 +33,13 @@ class PlannedChunk:
         return self.start_pos + len(self.tokens) == self.seq.num_tokens
 
     def item(self) -> StepItem:
-        """What the backend is asked: the tokens to feed, and the prompt tokens to score."""
-        seq = self.seq
-        return StepItem(self.slot, self.tokens, self.start_pos, self.samples,
+        """What the backend is asked: the tokens to feed, the prompt tokens to score, and
+        the tokens the sampled one may be."""
+        seq, samples = self.seq, self.samples
+        return StepItem(self.slot, self.tokens, self.start_pos, samples,
                         seq.score_targets(self.start_pos, len(self.tokens)),
-                        seq.params.prompt_logprobs or 0, block_table=self.block_table)
+                        seq.params.prompt_logprobs or 0, block_table=self.block_table,
+                        allowed_tokens=seq.allowed_tokens() if samples else None)
 
 
 @attrs.frozen

@@ -55,12 +55,15 @@ class Chunk:
         return self.start_pos + len(self.tokens) == self.seq.num_tokens
 
     def item(self) -> StepItem:
-        """What the backend is asked: the tokens to feed, and the prompt tokens to score."""
+        """What the backend is asked: the tokens to feed, the prompt tokens to score, and
+        the tokens the sampled one may be."""
         seq = self.seq
         assert seq.slot is not None
-        return StepItem(seq.slot, self.tokens, self.start_pos, self.samples,
+        samples = self.samples
+        return StepItem(seq.slot, self.tokens, self.start_pos, samples,
                         seq.score_targets(self.start_pos, len(self.tokens)),
-                        seq.params.prompt_logprobs or 0)
+                        seq.params.prompt_logprobs or 0,
+                        seq.allowed_tokens() if samples else None)
 
 
 class Scheduler(abc.ABC):

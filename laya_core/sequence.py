@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import attrs
 
 from laya_core.types import FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    from laya_core.allowed_tokens import AllowedTokens, TokenConstraint
 
 
 class SequenceStatus(enum.Enum):
@@ -44,6 +48,9 @@ class Sequence:
     admitted_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Where set (structured output sets it), what this sequence may sample next; see
+    # allowed_tokens().
+    constraint: TokenConstraint | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -74,6 +81,12 @@ class Sequence:
         if not self.scores_prompt:
             return []
         return self.prompt_token_ids[start_pos + 1 : start_pos + num_tokens + 1]
+
+    def allowed_tokens(self) -> AllowedTokens | None:
+        """The tokens allowed as this sequence's next one, or None for any. Asked once before
+        each token it samples (so a constraint may advance its matcher over the tokens
+        generated since it was last asked)."""
+        return None if self.constraint is None else self.constraint(self.output_token_ids)
 
     @property
     def max_total_tokens(self) -> int:

@@ -7,6 +7,11 @@ It keeps the tokens each slot was fed and checks every step is fed in order, so 
 the engine's chunking and slot bookkeeping. Prompt log-probabilities follow from that model:
 each prompt token is certain given those before it (log-probability 0, rank 1, and no
 alternatives with any probability to list).
+
+An allowed-token mask (``StepItem.allowed_tokens``) is honoured: where it excludes the token
+the model would say, the toy says the lowest allowed token id instead, with the
+log-probability the model gives it (-inf: the model was certain of another token); a mask
+allowing nothing fails that item alone.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from laya_core.allowed_tokens import NO_TOKEN_ALLOWED
 from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem, StepResult
 from laya_core.cache import BlockCachePolicy
 from laya_core.engine import Engine
@@ -79,9 +85,18 @@ class ToyBackend(Backend):
                 continue
             prompt_len = self.prompt_len.get(item.slot) or len(history)
             self.prompt_len[item.slot] = prompt_len
-            token = history[len(history) % prompt_len]
-            out.append(StepResult(Sample(END if token == 0 else token, 0.0), scores))
+            token = history[len(history) % prompt_len] or END
+            out.append(self._sample(item, token, scores))
         return out
+
+    @staticmethod
+    def _sample(item: StepItem, token: int, scores: tuple[Sample, ...]) -> StepResult:
+        allowed = item.allowed_tokens
+        if allowed is None or allowed.allows(token):
+            return StepResult(Sample(token, 0.0), scores)
+        if allowed.is_empty():
+            return StepResult(None, scores, NO_TOKEN_ALLOWED)
+        return StepResult(Sample(int(allowed.token_ids()[0]), float("-inf")), scores)
 
     supports_moving = True
 
