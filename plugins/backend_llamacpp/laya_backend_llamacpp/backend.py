@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from laya_core.allowed_tokens import NO_TOKEN_ALLOWED
 from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem, StepResult
 from laya_core.kv_dtypes import KV_DTYPE_NAMES
 from laya_core.memory_plan import (
@@ -347,7 +348,7 @@ class LlamaCppBackend(Backend):
         # Before the next pass overwrites the logits.
         scores = {i: self._score(items[i], row) for i, row in scored}
         for i, row in rows:
-            out[i] = StepResult(self._sample(items[i].slot, row), scores.pop(i, ()))
+            out[i] = self._sample(items[i], row, scores.pop(i, ()))
         for i, item_scores in scores.items():
             out[i] = StepResult(None, item_scores)
 
@@ -378,18 +379,15 @@ class LlamaCppBackend(Backend):
                      100 * (self._governor.last_share or 0))
         return rc
 
-    def _sample(self, slot: int, row: int) -> Sample:
-        sampler, top = self._samplers[slot], self._params[slot].logprobs
-        if sampler is None or top is not None:
-            logits = np.ctypeslib.as_array(self._ll.llama_get_logits_ith(self._ctx, row),
-                                           shape=(self._n_vocab,))
-        if sampler is None:  # plain greedy
-            token = int(logits.argmax())
-        else:
-            token = int(self._ll.llama_sampler_sample(sampler, self._ctx, row))
-        if top is None:
-            return Sample(token)
-        return sampling.logprobs_of(logits, token, top)
+    def _sample(self, item: StepItem, row: int, scores: tuple[Sample, ...]) -> StepResult:
+        allowed = item.allowed_tokens
+        if allowed is not None and allowed.is_empty():
+            return StepResult(None, scores, NO_TOKEN_ALLOWED)
+        sampler, top = self._samplers[item.slot], self._params[item.slot].logprobs
+        logits = np.ctypeslib.as_array(self._ll.llama_get_logits_ith(self._ctx, row),
+                                       shape=(self._n_vocab,))
+        return StepResult(sampling.sample_row(self._ll, self._ctx, sampler, row, logits,
+                                              allowed, top), scores)
 
     def share_prefix(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
         ll = self._ll

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-
+from laya_core.allowed_tokens import AllowedTokens
 from laya_core.types import Sample, SamplingParams
 
 _RANDOM_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: llama.cpp draws a random seed
@@ -43,6 +43,36 @@ def build_chain(ll: Any, params: SamplingParams, n_vocab: int) -> Any:
     seed = _RANDOM_SEED if params.seed is None else params.seed & 0xFFFFFFFF
     ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_dist(seed))
     return chain
+
+
+def sample_row(ll: Any, ctx: Any, chain: Any, row: int, logits: np.ndarray,
+               allowed: AllowedTokens | None, top: int | None) -> Sample:
+    """The next token from batch row ``row``, and its log-probabilities when ``top`` is set.
+
+    ``logits`` is llama.cpp's own output row (a view, [vocab] float32), which ``chain``
+    (None: plain greedy) reads from the context. The mask is written into it first, so the
+    whole chain (penalties, top-k, top-p, min-p, temperature, the draw) sees the allowed
+    tokens only: a masked token has probability 0 and is never drawn, and the truncations
+    count the allowed tokens alone. Log-probabilities come from the row as the model gave it.
+    ``allowed`` must allow some token (``AllowedTokens.is_empty`` is checked before).
+    """
+    raw = logits
+    if allowed is not None:
+        if top is not None:
+            raw = logits.astype(np.float64)  # the unmasked distribution, for logprobs
+        allowed.mask_logits(logits)
+    if chain is None:
+        token = int(logits.argmax())
+    else:
+        token = int(ll.llama_sampler_sample(chain, ctx, row))
+        if allowed is not None and not allowed.allows(token):
+            # llama.cpp's draw takes the first candidate whose running sum of probabilities
+            # reaches u x total; at u = 0 exactly (a 2^-53 chance) that can be a candidate
+            # of probability 0. The allowed arg-max stands in.
+            token = int(logits.argmax())
+    if top is None:
+        return Sample(token)
+    return logprobs_of(raw, token, top)
 
 
 def logprobs_of(logits: Any, token: int, top: int) -> Sample:
