@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
+from laya_core.tokenizer import Tokenizer
 from laya_core.types import Sample, SamplingParams
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ class ModelInfo:
     eos_token: str
     add_bos: bool
     description: str = ""
-    # Texts that ``tokenize(..., parse_special=True)`` turns into control tokens; message
+    # Texts that ``encode(..., parse_special=True)`` turns into control tokens; message
     # content holding them is tokenized as text instead (laya_core/chat_prompt.py).
     special_tokens: frozenset[str] = frozenset()
 
@@ -109,8 +110,9 @@ class Backend(abc.ABC):
     """A model runtime. Subclasses are registered through ``register_backends``.
 
     Construction must be cheap and must not import the runtime's library; ``load`` does the
-    heavy work. All methods except ``__init__`` are called from the replica's engine thread
-    (or, for tokenization, under the engine's tokenizer lock).
+    heavy work. All methods except ``__init__`` and ``describe`` are called from the replica's
+    engine thread. Tokenizing is not a backend method: the :class:`Tokenizer` that
+    ``tokenizer()`` returns is called from any thread.
     """
 
     name: ClassVar[str]
@@ -175,14 +177,11 @@ class Backend(abc.ABC):
         """Allocate the fixed KV pool: ``n_ctx`` tokens shared by ``max_num_seqs`` slots."""
 
     @abc.abstractmethod
-    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
-        """Text to token ids. ``add_special``: the BOS (or similar) tokens the model adds
-        to a whole prompt. ``parse_special``: markup of special tokens in ``text`` becomes
-        those tokens; false, it stays text (how message content is tokenized)."""
-
-    @abc.abstractmethod
-    def token_bytes(self, token_id: int) -> bytes:
-        """The bytes of one token's text; may end in the middle of a UTF-8 character."""
+    def tokenizer(self) -> Tokenizer:
+        """The loaded model's tokenizer; called once, after ``load_weights``. It is used
+        from any thread while steps run (the HTTP side tokenizes prompts on worker threads),
+        so it shares no per-step state, and it must fail cleanly (``TokenizerClosedError``)
+        rather than touch freed memory once ``close()`` ran."""
 
     @abc.abstractmethod
     def start_sequence(self, slot: int, params: SamplingParams, keep_tokens: int = 0) -> None:

@@ -8,9 +8,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from laya_core.backend import ModelConfig
+from laya_core.backend import ModelConfig, ModelInfo
 from laya_core.chat_prompt import chat_prompt_ids
 from laya_core.chat_template import TemplateError, TemplateRefusal
+from laya_core.client import EngineClient, LocalEngineClient
 from laya_core.engine import Engine, EngineState
 from laya_core.logs import resident_bytes
 from laya_core.manifest import Manifest
@@ -58,6 +59,8 @@ class Deployment:
         self.router_name = router_name
         self.router: Router = registry.routers[router_name].obj()
         self.engines: list[Engine] = []
+        # What the HTTP side uses, one per replica, by replica id (the router's choice).
+        self.clients: list[EngineClient] = []
         self.models: dict[str, ModelConfig] = {}
         self.templates = TemplateSandbox()
         self.started_at: float | None = None  # time.monotonic() when the loads began
@@ -68,9 +71,10 @@ class Deployment:
             cache_cls = registry.cache_policies[config.cache_policy].obj
             for _ in range(config.replicas):
                 replica = len(self.engines)
-                self.engines.append(Engine(config, backend_cls(config), scheduler_cls,
-                                           cache_cls, replica_id=replica,
-                                           on_loaded=self._loaded))
+                engine = Engine(config, backend_cls(config), scheduler_cls, cache_cls,
+                                replica_id=replica, on_loaded=self._loaded)
+                self.engines.append(engine)
+                self.clients.append(LocalEngineClient(engine))
                 self.router.add_replica(config.name, replica)
             self.router.set_policy(config.name, config.routing)
 
@@ -84,7 +88,7 @@ class Deployment:
 
     @property
     def ready(self) -> bool:
-        return all(e.state is EngineState.READY for e in self.engines)
+        return all(c.state().ready for c in self.clients)
 
     def stop(self) -> None:
         for engine in self.engines:
@@ -100,16 +104,20 @@ class Deployment:
     def engines_of(self, name: str) -> list[Engine]:
         return [e for e in self.engines if e.config.name == name]
 
-    def any_engine(self, name: str) -> Engine:
-        """A loaded engine of the model, for tokenizing and limits (all replicas agree);
+    def clients_of(self, name: str) -> list[EngineClient]:
+        return [c for c in self.clients if c.model == name]
+
+    def any_client(self, name: str) -> EngineClient:
+        """A loaded replica of the model, for tokenizing and limits (all replicas agree);
         raises :class:`ModelUnavailableError` saying whether one may still come."""
         self.model(name)
-        engines = self.engines_of(name)
-        for engine in engines:
-            if engine.state is EngineState.READY:
-                return engine
-        if all(e.state in (EngineState.FAILED, EngineState.STOPPED) for e in engines):
-            reasons = "; ".join(sorted({e.error or e.state.value for e in engines}))
+        clients = self.clients_of(name)
+        states = [c.state() for c in clients]
+        for client, state in zip(clients, states, strict=True):
+            if state.ready:
+                return client
+        if all(s.state in (EngineState.FAILED, EngineState.STOPPED) for s in states):
+            reasons = "; ".join(sorted({s.error or s.state.value for s in states}))
             raise ModelUnavailableError(f"the model {name!r} failed to load: {reasons}", True)
         raise ModelUnavailableError(f"the model {name!r} is still loading", False)
 
@@ -118,24 +126,22 @@ class Deployment:
         """Every replica of every model failed to load: nothing will ever be served."""
         return all(e.state is EngineState.FAILED for e in self.engines)
 
-    def render_chat(self, engine: Engine, messages: Sequence[Mapping[str, Any]],
+    def render_chat(self, info: ModelInfo, messages: Sequence[Mapping[str, Any]],
                     add_generation_prompt: bool = True) -> str:
-        """The engine's model's chat template applied to ``messages``, in the sandbox.
-        Blocks for up to the sandbox's time limit: call it from a worker thread."""
-        info = engine.info
-        assert info is not None
+        """The model's chat template applied to ``messages``, in the sandbox. Blocks for
+        up to the sandbox's time limit: call it from a worker thread."""
         return self.templates.render(info.chat_template, info.bos_token, info.eos_token,
                                      messages, add_generation_prompt)
 
-    def chat_prompt(self, engine: Engine, messages: Sequence[Mapping[str, Any]],
+    def chat_prompt(self, client: EngineClient, messages: Sequence[Mapping[str, Any]],
                     add_generation_prompt: bool = True, add_special: bool = True) -> list[int]:
         """Token ids of a chat: the template's markup as special tokens, the messages'
         content as text. Blocking (rendering and tokenizing): call it from a worker thread."""
-        info = engine.info
-        assert info is not None
+        info = client.info().model_info
+        tokenizer = client.tokenizer()
         return chat_prompt_ids(messages,
-                               lambda m: self.render_chat(engine, m, add_generation_prompt),
-                               engine.backend.tokenize, info.special_tokens, add_special)
+                               lambda m: self.render_chat(info, m, add_generation_prompt),
+                               tokenizer.encode, tokenizer.special_tokens, add_special)
 
     def _loaded(self, engine: Engine) -> None:
         """On the engine's thread, once its model has loaded: test the chat template, then
@@ -164,10 +170,12 @@ class Deployment:
     def _probe_template(self, engine: Engine) -> None:
         """Refuse a model whose chat template cannot render a plain conversation within the
         sandbox's bounds; runs on the engine's thread once the model has loaded."""
+        info = engine.info
+        assert info is not None
         refusals = []
         for probe in PROBES:
             try:
-                self.render_chat(engine, probe)
+                self.render_chat(info, probe)
                 return
             except TemplateRefusal as e:
                 refusals.append(str(e))

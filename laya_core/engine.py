@@ -26,7 +26,8 @@ from laya_core.memory_plan import scored_tokens_per_step, sizes_for
 from laya_core.scheduler import Scheduler, SchedulerConfig
 from laya_core.sequence import Sequence
 from laya_core.stream import ADMITTED, GenerationStream, deliver
-from laya_core.types import FinishReason, Sample, SamplingParams, Timing, TokenEvent
+from laya_core.tokenizer import Tokenizer
+from laya_core.types import FinishReason, Sample, SamplingParams, Timing, TokenEvent, Usage
 
 log = logging.getLogger(__name__)
 _IDLE_POLL_S = 0.5
@@ -87,6 +88,7 @@ class Engine:
         self.state = EngineState.LOADING
         self.error: str | None = None
         self.info: ModelInfo | None = None
+        self.tokenizer: Tokenizer | None = None  # the backend's, once loaded; any thread
         self.max_seq_len = 0
         self.sizes: ModelConfig | None = None  # the config with its pool sizes decided
         self.scheduler: Scheduler | None = None
@@ -167,9 +169,10 @@ class Engine:
                     "and max_queue is 0; retry later")
             self._num_queued += 1
         loop = loop or asyncio.get_running_loop()
+        assert self.tokenizer is not None
         seq = Sequence(next(self._ids), list(prompt_token_ids), params, constraint=constraint)
-        stream = GenerationStream(seq, self.cancel)
-        detok = IncrementalDetokenizer(self.backend.token_bytes, params.stop)
+        stream = GenerationStream(seq.seq_id, seq.num_prompt_tokens, self.cancel)
+        detok = IncrementalDetokenizer(self.tokenizer.token_bytes, params.stop)
         self._inbox.put(_Live(seq, loop, stream.queue, detok))
         return stream
 
@@ -227,6 +230,7 @@ class Engine:
 
     def _load(self) -> None:
         self.info = self.backend.load_weights()
+        self.tokenizer = self.backend.tokenizer()
         # A planned config has every size decided; a hand-made one is decided here by the
         # same computation as `laya plan`'s.
         self.sizes = sizes = sizes_for(self.config, self.info.n_ctx_train)
@@ -300,7 +304,8 @@ class Engine:
             self.scheduler.add(live.seq)
         except ValueError as e:
             self._dequeued()
-            self._emit(live, TokenEvent("", (), FinishReason.ERROR, str(e)))
+            self._emit(live, TokenEvent("", (), FinishReason.ERROR, str(e),
+                                        usage=Usage(live.seq.num_prompt_tokens, 0)))
             return
         self._live[live.seq.seq_id] = live
 
@@ -442,8 +447,10 @@ class Engine:
             self.finished[reason] += 1
         del self._live[seq.seq_id]
         timing = _timing(seq, live.token_gaps)
+        usage = Usage(seq.num_prompt_tokens, len(seq.output_token_ids),
+                      seq.reuse[1] if seq.reuse and live.started else 0)
         self._emit(live, TokenEvent(text, token_ids, reason, error, timing, samples=samples,
-                                    prompt_logprobs=prompt_logprobs))
+                                    prompt_logprobs=prompt_logprobs, usage=usage))
 
 
 def _timing(seq: Sequence, token_gaps: list[float]) -> Timing:

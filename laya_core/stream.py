@@ -2,6 +2,8 @@
 
 The engine gathers a step's events and calls ``loop.call_soon_threadsafe(deliver, events)``
 once per event loop; each request reads its own queue through a :class:`GenerationStream`.
+Only immutable :class:`TokenEvent` objects cross from the engine thread; the stream holds
+plain numbers of its own, never the engine's sequence.
 """
 
 from __future__ import annotations
@@ -9,8 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from laya_core.sequence import Sequence
-from laya_core.types import TokenEvent
+from laya_core.types import TokenEvent, Usage
 
 # Sent when a sequence joins the batch: the HTTP layer answers only once a request runs.
 ADMITTED = TokenEvent("", (), admitted=True)
@@ -23,15 +24,21 @@ def deliver(events: list[tuple[asyncio.Queue[TokenEvent], TokenEvent]]) -> None:
 
 
 class GenerationStream:
-    """The asyncio side of one request: an async iterator of :class:`TokenEvent`."""
+    """The asyncio side of one request: an async iterator of :class:`TokenEvent`.
 
-    def __init__(self, seq: Sequence, cancel: Callable[[int], None]) -> None:
-        self.seq = seq
+    Read it from the event loop that submitted the request."""
+
+    def __init__(self, request_id: int, num_prompt_tokens: int,
+                 cancel: Callable[[int], None]) -> None:
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
         self._cancel = cancel
         self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.finished = False
         self._admitted = False
         self._early_end: TokenEvent | None = None
+        self._num_tokens = 0  # token ids received so far
+        self._usage: Usage | None = None
 
     async def wait_admitted(self) -> TokenEvent | None:
         """Wait until the sequence joins the batch; the final event if it ended before that."""
@@ -53,14 +60,21 @@ class GenerationStream:
         while event.admitted:
             self._admitted = True
             event = await self.queue.get()
-        self.finished = event.finish_reason is not None
+        self._num_tokens += len(event.token_ids)
+        if event.finish_reason is not None:
+            self.finished = True
+            self._usage = event.usage
         return event
 
     def cancel(self) -> None:
         """Leave the batch at the next step; safe to call at any time, more than once."""
         if not self.finished:
-            self._cancel(self.seq.seq_id)
+            self._cancel(self.request_id)
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return self.seq.num_prompt_tokens
+    def usage(self) -> Usage:
+        """The sequence's token counts: the engine's, from the final event, once finished;
+        before that, what has arrived so far."""
+        if self._usage is not None:
+            return self._usage
+        return Usage(self.num_prompt_tokens, self._num_tokens)

@@ -84,6 +84,16 @@ class TokenEvent:
     # With the first token, when asked for: the prompt's tokens from the second on, each with
     # its log-probability given the tokens before it.
     prompt_logprobs: tuple[Sample, ...] = ()
+    usage: Usage | None = None  # set on the final event
+
+
+@attrs.frozen
+class Usage:
+    """The token counts of one finished sequence, as the engine counted them."""
+
+    prompt_tokens: int
+    completion_tokens: int  # tokens generated, the last (end-of-generation) one included
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @attrs.frozen

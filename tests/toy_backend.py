@@ -24,9 +24,23 @@ from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem, StepRes
 from laya_core.cache import BlockCachePolicy
 from laya_core.engine import Engine
 from laya_core.scheduler import FcfsScheduler
+from laya_core.tokenizer import Tokenizer
 from laya_core.types import Sample, SamplingParams
 
 END = 256
+
+
+class ToyTokenizer(Tokenizer):
+    """UTF-8 bytes as token ids, and the end token; pure Python, so safe from any thread."""
+
+    vocab_size = 257
+    special_tokens: frozenset[str] = frozenset()
+
+    def encode(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return b"" if token_id == END else bytes([token_id])
 
 
 class ToyBackend(Backend):
@@ -47,11 +61,8 @@ class ToyBackend(Backend):
         self.n_ctx = n_ctx
         self.max_num_seqs = max_num_seqs
 
-    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return b"" if token_id == END else bytes([token_id])
+    def tokenizer(self) -> ToyTokenizer:
+        return ToyTokenizer()
 
     supports_prefix_sharing = True
 

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from laya_core.chat_template import TemplateError
-from laya_core.deployment import Deployment
+from laya_core.deployment import Deployment, ModelUnavailableError
 from laya_core.http import generation as gen
 from laya_core.http.access_log import AccessLogMiddleware
 from laya_core.http.auth import ApiKeyMiddleware
@@ -27,6 +27,7 @@ from laya_core.http.metrics import metrics_registry
 from laya_core.http.observe import Observer
 from laya_core.http.requests import parse_tokenize
 from laya_core.http.status import deployment_status
+from laya_core.tokenizer import TokenizerClosedError
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +40,13 @@ def create_app(deployment: Deployment) -> Starlette:
     handlers = CompletionHandlers(deployment, Observer(registry))
 
     def model_card(name: str) -> dict[str, Any]:
-        engines = deployment.engines_of(name)
+        clients = deployment.clients_of(name)
+        try:
+            max_len: int | None = deployment.any_client(name).info().max_seq_len
+        except ModelUnavailableError:
+            max_len = None
         return {"id": name, "object": "model", "created": created, "owned_by": "laya",
-                "max_model_len": engines[0].max_seq_len or None, "replicas": len(engines)}
-
-    def engine_for(name: str, param: str = "model") -> Any:
-        return gen.engine_for(deployment, name, param)
+                "max_model_len": max_len, "replicas": len(clients)}
 
     async def list_models(request: Request) -> Response:
         return JSONResponse({"object": "list",
@@ -59,19 +61,19 @@ def create_app(deployment: Deployment) -> Starlette:
 
     async def tokenize(request: Request) -> Response:
         req = parse_tokenize(await json_body(request, server))
-        engine = engine_for(req.model)
+        client = gen.client_for(deployment, req.model)
         if req.messages is not None:
             try:
                 tokens = await asyncio.to_thread(
-                    deployment.chat_prompt, engine, req.messages, req.add_generation_prompt,
+                    deployment.chat_prompt, client, req.messages, req.add_generation_prompt,
                     req.add_special_tokens)
             except TemplateError as e:
                 raise invalid("messages", str(e), "chat_template_error") from None
         else:
-            tokens = await asyncio.to_thread(engine.backend.tokenize, req.prompt,
+            tokens = await asyncio.to_thread(client.tokenizer().encode, req.prompt,
                                              add_special=req.add_special_tokens)
         return JSONResponse({"tokens": tokens, "count": len(tokens),
-                             "max_model_len": engine.max_seq_len})
+                             "max_model_len": client.info().max_seq_len})
 
     async def detokenize(request: Request) -> Response:
         body = await json_body(request, server)
@@ -79,14 +81,13 @@ def create_app(deployment: Deployment) -> Starlette:
         if not isinstance(model, str) or not model:
             raise invalid("model", "'model' is required", "missing")
         tokens = body.get("tokens")
-        engine = engine_for(model)
-        vocab = engine.info.vocab_size
+        tokenizer = gen.client_for(deployment, model).tokenizer()
+        vocab = tokenizer.vocab_size
         if not isinstance(tokens, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                for t in tokens):
+                isinstance(t, int) and not isinstance(t, bool) for t in tokens) \
+                or tokenizer.first_unknown(tokens) is not None:
             raise invalid("tokens", f"'tokens' must be an array of token ids in 0..{vocab - 1}")
-        text = b"".join(engine.backend.token_bytes(t) for t in tokens)
-        return JSONResponse({"prompt": text.decode("utf-8", "replace")})
+        return JSONResponse({"prompt": tokenizer.decode(tokens)})
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -108,6 +109,11 @@ def create_app(deployment: Deployment) -> Starlette:
         return APIError(500, f"internal error ({type(exc).__name__}); the server log has the "
                         "details", code="internal_error").response()
 
+    async def unloaded(request: Request, exc: Exception) -> Response:
+        # A request that raced the server's shutdown: its model was unloaded under it.
+        return APIError(503, f"{exc}; the server is shutting down", code="not_ready",
+                        retry_after=gen.QUEUE_RETRY_AFTER_S).response()
+
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         return http_exception_response(request.method, request.url.path, exc)
@@ -125,7 +131,7 @@ def create_app(deployment: Deployment) -> Starlette:
     ]
     app = Starlette(routes=routes,
                     exception_handlers={APIError: api_error, HTTPException: http_error,
-                                        Exception: unexpected})
+                                        TokenizerClosedError: unloaded, Exception: unexpected})
     if server.api_keys:
         open_paths = {"/health"} if server.metrics_need_api_key else {"/health", "/metrics"}
         app.add_middleware(ApiKeyMiddleware, keys=server.api_keys, open_paths=open_paths)

@@ -63,7 +63,7 @@ class CompletionHandlers:
             raise invalid("messages", str(e), "chat_template_error") from None
         base = {"id": gen.new_id(id_prefix), "object": obj, "created": int(time.time()),
                 "model": req.common.model}
-        return runs, base, runs[0].engine.backend.token_bytes
+        return runs, base, runs[0].client.tokenizer().token_bytes
 
     async def chat(self, request: Request) -> Response:
         req = parse_chat(await json_body(request, self.server))
@@ -128,7 +128,7 @@ class CompletionHandlers:
         return JSONResponse(body, headers={"Server-Timing": gen.server_timing(route_s, timing)})
 
     def _finished(self, runs: list[gen.Running], req: ChatRequest | CompletionRequest,
-                  timings: list[Timing | None], usage: dict[str, int],
+                  timings: list[Timing | None], usage: dict[str, Any],
                   error: str | None = None) -> None:
         """Observe a complete response (a failed one only for the access log)."""
         if error is None:
@@ -176,7 +176,7 @@ def _completion_choice(req: CompletionRequest, index: int, run: gen.Running, r: 
     top = req.common.logprobs
     lp = None
     if top is not None and echo:
-        lp = fmt.echo_logprobs(run.stream.seq.prompt_token_ids[0], prompt, r.samples,
+        lp = fmt.echo_logprobs(run.prompt_token_ids[0], prompt, r.samples,
                                token_bytes, top)
     elif top is not None:
         lp = fmt.completion_logprobs(r.samples, token_bytes)

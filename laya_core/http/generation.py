@@ -6,16 +6,17 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import attrs
 
-from laya_core.deployment import Deployment, ModelUnavailableError, UnknownModelError
-from laya_core.engine import (
-    Engine,
+from laya_core.client import (
+    EngineClient,
     EngineUnavailableError,
     QueueFullError,
     RequestTooLongError,
 )
+from laya_core.deployment import Deployment, ModelUnavailableError, UnknownModelError
 from laya_core.http.errors import APIError, invalid
 from laya_core.http.requests import ChatRequest, CompletionRequest, GenerationRequest
 from laya_core.router import NoRouteError, prefix_hashes
@@ -30,9 +31,10 @@ class Running:
     """One submitted sequence: its stream, where it runs, and how long routing took."""
 
     stream: GenerationStream
-    engine: Engine
+    client: EngineClient
     route_s: float
     deployment: Deployment
+    prompt_token_ids: Sequence[int]  # the HTTP side's own list (the engine copies it)
     prompt_text: str | None = None  # for echo
     released: bool = False
     # Echo with max_tokens 0: the one token generated (to score the prompt) is not shown.
@@ -43,7 +45,7 @@ class Running:
         if not self.released:
             self.released = True
             self.stream.cancel()
-            self.deployment.router.release(self.engine.replica_id)
+            self.deployment.router.release(self.client.replica_id)
 
 
 @attrs.define
@@ -58,10 +60,10 @@ class Result:
     prompt_logprobs: list[Sample] = attrs.field(factory=list)  # from the prompt's second token
 
 
-def engine_for(deployment: Deployment, name: str, param: str = "model") -> Engine:
-    """A loaded engine of model ``name``, or the APIError that says why there is none."""
+def client_for(deployment: Deployment, name: str, param: str = "model") -> EngineClient:
+    """A loaded replica of model ``name``, or the APIError that says why there is none."""
     try:
-        return deployment.any_engine(name)
+        return deployment.any_client(name)
     except UnknownModelError:
         raise APIError(404, f"the model {name!r} does not exist; see GET /v1/models",
                        param=param, code="model_not_found") from None
@@ -91,38 +93,39 @@ def prompt_top(request: ChatRequest | CompletionRequest) -> int | None:
     return max(wanted) if wanted else None
 
 
-def _check_prompt_logprobs(request: ChatRequest | CompletionRequest, engine: Engine) -> None:
-    if prompt_top(request) is not None and not engine.backend.supports_prompt_logprobs:
+def _check_prompt_logprobs(request: ChatRequest | CompletionRequest,
+                           client: EngineClient) -> None:
+    info = client.info()
+    if prompt_top(request) is not None and not info.supports_prompt_logprobs:
         param = "prompt_logprobs" if request.common.prompt_logprobs is not None else "logprobs"
-        raise invalid(param, f"the {engine.backend.name} backend of {request.common.model!r} "
+        raise invalid(param, f"the {info.backend_name} backend of {request.common.model!r} "
                       "cannot compute prompt log-probabilities", "unsupported_parameter")
 
 
 def _prompts(deployment: Deployment, request: ChatRequest | CompletionRequest,
-             engine: Engine) -> list[tuple[list[int], str | None]]:
+             client: EngineClient) -> list[tuple[list[int], str | None]]:
     """Token ids of each prompt, with its text (for echo). Blocking: rendering a chat
     template and tokenizing megabytes take time, so ``start`` runs this on a worker thread."""
     if isinstance(request, ChatRequest):
-        return [(deployment.chat_prompt(engine, request.messages), None)]
+        return [(deployment.chat_prompt(client, request.messages), None)]
     out: list[tuple[list[int], str | None]] = []
-    vocab = engine.info.vocab_size  # type: ignore[union-attr]
+    tokenizer = client.tokenizer()
     for i, prompt in enumerate(request.prompts):
         param = "prompt" if len(request.prompts) == 1 else f"prompt[{i}]"
         if isinstance(prompt, tuple):
-            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            bad = tokenizer.first_unknown(prompt)
             if bad is not None:
-                raise invalid(param, f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
-            text = b"".join(engine.backend.token_bytes(t) for t in prompt).decode("utf-8",
-                                                                                   "replace")
-            out.append((list(prompt), text))
+                raise invalid(param, f"token id {bad} is outside the vocabulary "
+                              f"(0..{tokenizer.vocab_size - 1})")
+            out.append((list(prompt), tokenizer.decode(prompt)))
         else:
-            out.append((engine.backend.tokenize(prompt, add_special=True), prompt))
+            out.append((tokenizer.encode(prompt, add_special=True), prompt))
     return out
 
 
-def _submit(deployment: Deployment, req: GenerationRequest, prompt: list[int],
-            params: SamplingParams, text: str | None, session: str | None,
-            discard_output: bool = False) -> Running:
+async def _submit(deployment: Deployment, req: GenerationRequest, prompt: list[int],
+                  params: SamplingParams, text: str | None, session: str | None,
+                  discard_output: bool = False) -> Running:
     t0 = time.perf_counter()
     # Hashing the prompt's leading blocks is routing work, so it counts in the route time.
     prefix = prefix_hashes(prompt) if deployment.models[req.model].routing == "prefix" else ()
@@ -131,9 +134,9 @@ def _submit(deployment: Deployment, req: GenerationRequest, prompt: list[int],
     except NoRouteError as e:
         raise APIError(503, str(e), code="no_replica", retry_after=QUEUE_RETRY_AFTER_S) from None
     route_s = time.perf_counter() - t0
-    engine = deployment.engines[replica]
+    client = deployment.clients[replica]
     try:
-        stream = engine.submit(prompt, params)
+        stream = await client.submit(prompt, params)
     except RequestTooLongError as e:
         deployment.rejections[req.model, "too_long"] += 1
         deployment.router.release(replica)
@@ -145,17 +148,18 @@ def _submit(deployment: Deployment, req: GenerationRequest, prompt: list[int],
         deployment.router.release(replica)
         raise APIError(503, f"{e}; retry later", code="not_ready",
                        retry_after=QUEUE_RETRY_AFTER_S) from None
-    except Exception:
+    except BaseException:
         deployment.router.release(replica)
         raise
-    return Running(stream, engine, route_s, deployment, text, discard_output=discard_output)
+    return Running(stream, client, route_s, deployment, prompt, text,
+                   discard_output=discard_output)
 
 
 async def _admitted(run: Running) -> None:
     early = await run.stream.wait_admitted()
     if early is None:
         return
-    if early.finish_reason is FinishReason.REJECTED and run.engine.config.max_queue == 0:
+    if early.finish_reason is FinishReason.REJECTED and run.client.info().max_queue == 0:
         raise APIError(429, f"{early.error}; retry later", code="queue_full",
                        retry_after=QUEUE_RETRY_AFTER_S)
     if early.finish_reason is FinishReason.REJECTED:
@@ -176,11 +180,11 @@ async def start(deployment: Deployment, request: ChatRequest | CompletionRequest
     """
     req = request.common
     session = session or req.user
-    engine = engine_for(deployment, req.model)
-    _check_prompt_logprobs(request, engine)
-    prompts = await asyncio.to_thread(_prompts, deployment, request, engine)
+    client = client_for(deployment, req.model)
+    _check_prompt_logprobs(request, client)
+    prompts = await asyncio.to_thread(_prompts, deployment, request, client)
     param = "messages" if isinstance(request, ChatRequest) else "prompt"
-    limit = engine.max_seq_len
+    limit = client.info().max_seq_len
     runs: list[Running] = []
     try:
         for prompt, text in prompts:
@@ -198,8 +202,8 @@ async def start(deployment: Deployment, request: ChatRequest | CompletionRequest
                 # max_tokens 0 generates one token, which is not shown (as vLLM does).
                 params = _params(req, max(max_tokens, 1), choice,
                                  prompt_top(request) if choice == 0 else None)
-                runs.append(_submit(deployment, req, prompt, params, text, session,
-                                    discard_output=max_tokens == 0))
+                runs.append(await _submit(deployment, req, prompt, params, text, session,
+                                          discard_output=max_tokens == 0))
         for run in runs:
             await _admitted(run)
     except BaseException:  # an error, or cancelled while queued: leave nothing behind
@@ -286,12 +290,15 @@ def timing_object(route_s: float, timing: Timing | None) -> dict[str, float]:
             "prefill_ms": t.prefill_s * 1000, "decode_ms": t.decode_s * 1000}
 
 
-def usage(runs: Sequence[Running], n: int) -> dict[str, int]:
-    """Prompt tokens once per prompt (runs come n per prompt); completion tokens of all."""
-    prompt = sum(r.stream.num_prompt_tokens for r in runs[::n])
-    completion = sum(len(r.stream.seq.output_token_ids) for r in runs if not r.discard_output)
+def usage(runs: Sequence[Running], n: int) -> dict[str, Any]:
+    """OpenAI's usage object: prompt tokens once per prompt (runs come n per prompt), of
+    which those served from the prefix cache; completion tokens of all."""
+    firsts = [r.stream.usage for r in runs[::n]]
+    prompt = sum(u.prompt_tokens for u in firsts)
+    completion = sum(r.stream.usage.completion_tokens for r in runs if not r.discard_output)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in firsts)}}
 
 
 def new_id(prefix: str) -> str:

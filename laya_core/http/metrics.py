@@ -54,8 +54,8 @@ class DeploymentCollector:
                                       labels=[*_LABELS, "finished_reason"])
         rejected = CounterMetricFamily("laya:request_rejections", "Requests refused, by reason.",
                                        labels=[*_LABELS, "reason"])
-        for e in d.engines:
-            labels = [e.config.name, str(e.replica_id)]
+        for e in (c.state() for c in d.clients):
+            labels = [e.model, str(e.replica_id)]
             running.add_metric(labels, e.num_running)
             waiting.add_metric(labels, e.num_waiting)
             usage.add_metric(labels, e.kv_usage)

@@ -66,12 +66,13 @@ class Observer:
                  n: int) -> None:
         """A complete response: ``runs`` (``n`` per prompt) and each one's final timing."""
         for run, timing in zip(runs, timings, strict=True):
-            self._sequence(model, run.route_s, timing, run.stream.num_prompt_tokens,
-                           len(run.stream.seq.output_token_ids))
+            usage = run.stream.usage
+            self._sequence(model, run.route_s, timing, usage.prompt_tokens,
+                           usage.completion_tokens)
         for first in range(0, len(runs), n):
             group = runs[first:first + n]
             self.max_generation_tokens.labels(model).observe(
-                max(len(r.stream.seq.output_token_ids) for r in group))
+                max(r.stream.usage.completion_tokens for r in group))
 
     def _sequence(self, model: str, route_s: float, timing: Timing | None, num_prompt: int,
                   num_generated: int) -> None:

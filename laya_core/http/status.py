@@ -10,21 +10,22 @@ from laya_core.deployment import Deployment
 def deployment_status(d: Deployment) -> dict[str, Any]:
     ledgers = {r.replica: r for r in d.plan.replicas} if d.plan else {}
     replicas = []
-    for e in d.engines:
-        ledger = ledgers.get(e.replica_id)
+    for client in d.clients:
+        s = client.state()
+        ledger = ledgers.get(s.replica_id)
         per_token = ledger.profile.kv_bytes_per_token if ledger else 0
         replicas.append({
-            "model": e.config.name, "replica": e.replica_id, "state": e.state.value,
-            "error": e.error, "running": e.num_running, "waiting": e.num_waiting,
-            "kv_cache_capacity_tokens": e.kv_capacity_tokens,
-            "kv_cache_used_tokens": e.kv_used_tokens,
-            "kv_cache_used_bytes": e.kv_used_tokens * per_token,
-            "kv_cache_cached_tokens": e.kv_cached_tokens,
-            "prefix_cache_hits": e.prefix_hits,
-            "prefix_cache_tokens_reused": e.prefix_tokens_reused,
+            "model": s.model, "replica": s.replica_id, "state": s.state.value,
+            "error": s.error, "running": s.num_running, "waiting": s.num_waiting,
+            "kv_cache_capacity_tokens": s.kv_capacity_tokens,
+            "kv_cache_used_tokens": s.kv_used_tokens,
+            "kv_cache_used_bytes": s.kv_used_tokens * per_token,
+            "kv_cache_cached_tokens": s.kv_cached_tokens,
+            "prefix_cache_hits": s.prefix_hits,
+            "prefix_cache_tokens_reused": s.prefix_tokens_reused,
             "kv_pool_bytes": ledger.kv_pool_bytes if ledger else None,
-            "rejections": dict(e.rejections),
-            "runtime": e.runtime(),
+            "rejections": dict(s.rejections),
+            "runtime": client.runtime(),
         })
     memory = None
     if d.plan is not None:

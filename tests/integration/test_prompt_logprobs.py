@@ -164,7 +164,8 @@ def test_echo_with_max_tokens_0_returns_the_prompt_alone(server: ServerProcess) 
         choice["logprobs"]["text_offset"], choice["logprobs"]["tokens"], strict=True)]
     assert len(choice["logprobs"]["token_logprobs"]) == len(tokens)
     assert body["usage"] == {"prompt_tokens": len(tokens), "completion_tokens": 0,
-                             "total_tokens": len(tokens)}
+                             "total_tokens": len(tokens),
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     scored = complete(server, prompt=prompt, max_tokens=1, logprobs=0, echo=True)
     assert scored["choices"][0]["logprobs"]["token_logprobs"][:-1] \
         == choice["logprobs"]["token_logprobs"]

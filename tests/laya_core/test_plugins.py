@@ -100,7 +100,8 @@ def test_manifest_selects_in_test_plugins_end_to_end(toy_deployment: Deployment)
     assert long.json()["choices"][0]["text"] == "héllo wörld"
     assert long.json()["choices"][0]["finish_reason"] == "length"
     assert long.json()["usage"] == {"prompt_tokens": 13, "completion_tokens": 13,
-                                    "total_tokens": 26}
+                                    "total_tokens": 26,
+                                    "prompt_tokens_details": {"cached_tokens": 0}}
     assert stopped.json()["choices"][0]["text"] == "ab"
     assert stopped.json()["choices"][0]["finish_reason"] == "stop"
     assert ended.json()["choices"][0]["text"] == "xy"

@@ -31,14 +31,13 @@ from laya_core.types import Sample, SamplingParams
 from laya_backend_llamacpp import cpu, sampling
 from laya_backend_llamacpp.llama_log import LLAMA_LOG, weight_buffers
 from laya_backend_llamacpp.threads import ThreadGovernor
+from laya_backend_llamacpp.tokenizer import LlamaTokenizer
 
 log = logging.getLogger(__name__)
 
 _FLASH_ATTN = {"auto": -1, False: 0, True: 1}  # llama_flash_attn_type
 _LOAD_MODE = {True: 1, False: 0}  # use_mmap -> llama_load_mode: MMAP, NONE
 _MAX_THREADS = 512  # GGML_MAX_N_THREADS
-_IDS_PER_COPY = 32768  # token ids copied out of llama.cpp's buffer per GIL hold (about 1 ms)
-_PIECE_BUF = 256  # bytes; the longest token piece of common vocabularies is far shorter
 _KV_CELL_ALIGN = 256  # llama.cpp pads each KV stream to this many cells
 _VOCAB_BYTES_PER_TOKEN = 512
 # Prompt rows scored per numpy pass: the pass holds two float64 copies of the block
@@ -160,6 +159,7 @@ class LlamaCppBackend(Backend):
     _batch: Any = None
     _governor: ThreadGovernor | None = None
     _fixed_threads: int | None = None
+    _tokenizer: LlamaTokenizer | None = None
 
     def load_weights(self) -> ModelInfo:
         ll = self._ll = _llama()
@@ -188,10 +188,11 @@ class LlamaCppBackend(Backend):
         }
         vocab = self._vocab = ll.llama_model_get_vocab(self._model)
         n_vocab = self._n_vocab = ll.llama_vocab_n_tokens(vocab)
-        self._pieces: dict[int, bytes] = {}
         template = ll.llama_model_chat_template(self._model, None)
         desc = ctypes.create_string_buffer(256)
         ll.llama_model_desc(self._model, desc, len(desc))
+        specials = self._special_texts(n_vocab)
+        self._tokenizer = LlamaTokenizer(ll, vocab, n_vocab, specials)
         return ModelInfo(
             n_ctx_train=ll.llama_model_n_ctx_train(self._model),
             vocab_size=n_vocab,
@@ -201,7 +202,7 @@ class LlamaCppBackend(Backend):
             eos_token=self._special_text(ll.llama_vocab_eos(vocab)),
             add_bos=bool(ll.llama_vocab_get_add_bos(vocab)),
             description=desc.value.decode("utf-8", "replace"),
-            special_tokens=self._special_texts(n_vocab),
+            special_tokens=specials,
         )
 
     def _special_texts(self, n_vocab: int) -> frozenset[str]:
@@ -263,31 +264,17 @@ class LlamaCppBackend(Backend):
         text = self._ll.llama_vocab_get_text(self._vocab, token)
         return text.decode("utf-8", "replace") if text else ""
 
+    def tokenizer(self) -> LlamaTokenizer:
+        if self._tokenizer is None:
+            raise RuntimeError("the model is not loaded")
+        return self._tokenizer
+
+    # The tokenizer's methods on the backend itself, for tests and tools that hold a backend.
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
-        ll = self._ll
-        data = text.encode("utf-8")
-        capacity = len(data) + 16
-        while True:
-            out = (ll.llama_token * capacity)()
-            n = ll.llama_tokenize(self._vocab, data, len(data), out, capacity, add_special,
-                                  parse_special)
-            if n >= 0:
-                # In slices: each copy holds the GIL, and a megabyte prompt's 800k ids in
-                # one go would stall the event loop for 24 ms.
-                ids: list[int] = []
-                for start in range(0, n, _IDS_PER_COPY):
-                    ids += out[start:min(start + _IDS_PER_COPY, n)]
-                return ids
-            capacity = -n
+        return self.tokenizer().encode(text, add_special=add_special, parse_special=parse_special)
 
     def token_bytes(self, token_id: int) -> bytes:
-        piece = self._pieces.get(token_id)
-        if piece is None:
-            buf = ctypes.create_string_buffer(_PIECE_BUF)
-            # special=False: control tokens such as <|im_end|> render as nothing.
-            n = self._ll.llama_token_to_piece(self._vocab, token_id, buf, _PIECE_BUF, 0, False)
-            piece = self._pieces[token_id] = buf.raw[: max(n, 0)]
-        return piece
+        return self.tokenizer().token_bytes(token_id)
 
     def start_sequence(self, slot: int, params: SamplingParams, keep_tokens: int = 0) -> None:
         self._ll.llama_memory_seq_rm(self._mem, slot, keep_tokens, -1)
@@ -430,5 +417,7 @@ class LlamaCppBackend(Backend):
             ll.llama_free(self._ctx)
             self._ctx = None
         if self._model:
+            if self._tokenizer is not None:
+                self._tokenizer.close()  # waits for tokenizing under way: it reads the model
             ll.llama_model_free(self._model)
             self._model = None
