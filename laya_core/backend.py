@@ -2,8 +2,10 @@
 
 A backend is step-based. The engine calls :meth:`Backend.step` with one :class:`StepItem` per
 scheduled sequence (prompt chunks of new sequences and one token for each decoding one), and
-the backend runs them together. Sequences are named by *slot*, an integer in
-``0 .. max_num_seqs-1`` that the scheduler hands out and takes back.
+the backend runs them together. A backend declares its KV layout (``kv_layout``): on the
+paged layout each item carries the block table of its sequence in the core's KV pool; a
+streams-layout backend keeps a KV stream per sequence and ships the cache policy that
+places them (``register_cache_policies``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class ModelConfig:
     replicas: int = 1
     max_step_tokens: int = 512
     scheduler: str = "fcfs"
-    cache_policy: str = "blocks"
+    cache_policy: str = "auto"  # "auto": the registered one serving the backend's kv_layout
     kv_cache_tokens: int | None = None  # the KV pool; None: max_seq_len x max_num_seqs
     kv_cache_dtype: str = "f16"
     prefix_caching: bool = True  # reuse KV of prompts' known beginnings
@@ -64,7 +66,7 @@ class ModelInfo:
 
 @attrs.frozen
 class StepItem:
-    """Feed ``tokens`` to sequence ``slot`` at positions ``start_pos ..``; sample if asked.
+    """Feed ``tokens`` to sequence ``seq_id`` at positions ``start_pos ..``; sample if asked.
 
     ``score_targets`` asks for prompt log-probabilities: ``score_targets[j]`` is the token
     that follows ``tokens[j]``, to be scored under the model's distribution at row ``j``
@@ -81,7 +83,9 @@ class StepItem:
     (``StepResult.error``).
     """
 
-    slot: int
+    # The backend's name for the sequence (``KVCache.handle``): its sequence id on the paged
+    # layout; on the streams layout, whatever the backend's own cache policy hands out.
+    seq_id: int
     tokens: Sequence[int]
     start_pos: int
     sample: bool
@@ -122,13 +126,6 @@ class Backend(abc.ABC):
     # StepItem carries its block table) or "streams" (a KV stream per sequence, kept by the
     # backend's own cache policy).
     kv_layout: ClassVar[str] = "streams"
-    # Whether share_prefix and start_sequence(keep_tokens=) work, enabling prefix reuse.
-    supports_prefix_sharing: ClassVar[bool] = False
-    # Whether a running sequence can change slots (``move_sequence``); backends whose batches
-    # run fastest when the running slots are consecutive set it (may be set per instance once
-    # the cache is allocated), and the scheduler then closes holes that finished sequences
-    # leave in the block.
-    supports_moving: bool = False
     # Whether step() scores ``StepItem.score_targets`` (prompt log-probabilities); requests
     # asking for them are refused on backends that do not.
     supports_prompt_logprobs: ClassVar[bool] = False
@@ -173,8 +170,10 @@ class Backend(abc.ABC):
         """Load the model's weights and vocabulary; no KV cache yet."""
 
     @abc.abstractmethod
-    def allocate_cache(self, *, n_ctx: int, max_num_seqs: int) -> None:
-        """Allocate the fixed KV pool: ``n_ctx`` tokens shared by ``max_num_seqs`` slots."""
+    def allocate_kv(self, *, num_tokens: int, max_num_seqs: int) -> None:
+        """Allocate the fixed KV pool: ``num_tokens`` tokens (``num_tokens // 16`` blocks of
+        16 on the paged layout) for at most ``max_num_seqs`` running sequences. Called once,
+        at load, by the cache policy (``KVCache.allocate``)."""
 
     @abc.abstractmethod
     def tokenizer(self) -> Tokenizer:
@@ -184,24 +183,10 @@ class Backend(abc.ABC):
         rather than touch freed memory once ``close()`` ran."""
 
     @abc.abstractmethod
-    def start_sequence(self, slot: int, params: SamplingParams, keep_tokens: int = 0) -> None:
-        """Prepare ``slot`` for a new sequence: its sampler, and a KV range that keeps only its
-        first ``keep_tokens`` positions (0: empty)."""
-
-    def share_prefix(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
-        """Make positions ``0 .. num_tokens-1`` of ``dst_slot`` hold ``src_slot``'s KV.
-
-        ``dst_slot`` holds nothing: it was just started with ``start_sequence``, or is free
-        (retained KV moving out of the way, followed by ``free_sequence(src_slot)``). Only
-        called when ``supports_prefix_sharing`` is true.
-        """
-        raise NotImplementedError
-
-    def move_sequence(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
-        """Move a running sequence to the free ``dst_slot``: its KV (positions
-        ``0 .. num_tokens-1``) and its sampler state. ``src_slot`` is free afterwards. Only
-        called when ``supports_moving`` is true."""
-        raise NotImplementedError
+    def start_sequence(self, seq_id: int, params: SamplingParams) -> None:
+        """Prepare the sampler state of a new sequence (``StepItem.seq_id``). On the paged
+        layout its KV is already placed by its block table; a streams-layout policy's own
+        ops prepare its stream."""
 
     @abc.abstractmethod
     def step(self, items: Sequence[StepItem]) -> list[StepResult]:
@@ -215,8 +200,9 @@ class Backend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def free_sequence(self, slot: int) -> None:
-        """Drop the KV cache and sampler state of ``slot``."""
+    def free_sequence(self, seq_id: int) -> None:
+        """Drop the sampler state of a sequence that left (and, on the streams layout, the
+        KV of its stream)."""
 
     def describe(self) -> dict[str, Any]:
         """How this instance runs, for the start-up log and ``/ready``: the hardware and

@@ -68,7 +68,7 @@ class Deployment:
             self.models[config.name] = config
             backend_cls = registry.backends[config.backend].obj
             scheduler_cls = registry.schedulers[config.scheduler].obj
-            cache_cls = registry.cache_policies[config.cache_policy].obj
+            cache_cls = registry.cache_policy_for(config.backend, config.cache_policy)
             for _ in range(config.replicas):
                 replica = len(self.engines)
                 engine = Engine(config, backend_cls(config), scheduler_cls, cache_cls,

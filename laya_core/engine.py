@@ -20,8 +20,8 @@ import attrs
 
 from laya_core.allowed_tokens import TokenConstraint
 from laya_core.backend import Backend, ModelConfig, ModelInfo
-from laya_core.cache import CachePolicy
 from laya_core.detokenizer import IncrementalDetokenizer
+from laya_core.kv_cache import KVCache, KVOp
 from laya_core.memory_plan import scored_tokens_per_step, sizes_for
 from laya_core.scheduler import Scheduler, SchedulerConfig
 from laya_core.sequence import Sequence
@@ -76,7 +76,7 @@ class Engine:
     _ids = itertools.count()
 
     def __init__(self, config: ModelConfig, backend: Backend,
-                 scheduler_cls: type[Scheduler], cache_cls: type[CachePolicy],
+                 scheduler_cls: type[Scheduler], cache_cls: type[KVCache],
                  replica_id: int = 0,
                  on_loaded: Callable[[Engine], None] | None = None) -> None:
         self.config = config
@@ -190,22 +190,19 @@ class Engine:
 
     @property
     def kv_used_tokens(self) -> int:
-        """KV tokens reserved by live sequences (retained prefixes not counted)."""
-        if self.scheduler is None:
-            return 0
-        s = self.scheduler
-        return (s.cache.num_used_blocks - s.num_retained_blocks) * s.cache.block_size
+        """KV tokens reserved by live sequences (cached prefixes not counted)."""
+        kv = self.scheduler.kv if self.scheduler else None
+        return kv.num_used_blocks * kv.block_size if kv else 0
 
     @property
     def kv_cached_tokens(self) -> int:
         """KV tokens of finished sequences kept for prefix reuse; freed whenever needed."""
-        if self.scheduler is None:
-            return 0
-        return self.scheduler.num_retained_blocks * self.scheduler.cache.block_size
+        kv = self.scheduler.kv if self.scheduler else None
+        return kv.num_cached_blocks * kv.block_size if kv else 0
 
     @property
     def kv_capacity_tokens(self) -> int:
-        return self.scheduler.cache.capacity_tokens if self.scheduler else 0
+        return self.scheduler.kv.capacity_tokens if self.scheduler else 0
 
     def _dequeued(self) -> None:
         with self._lock:
@@ -237,15 +234,17 @@ class Engine:
         assert sizes.max_seq_len and sizes.max_num_seqs and sizes.kv_cache_tokens
         self.max_seq_len = sizes.max_seq_len
         num_seqs, pool_tokens = sizes.max_num_seqs, sizes.kv_cache_tokens
-        cache = self._cache_cls(pool_tokens)
-        self.backend.allocate_cache(n_ctx=pool_tokens, max_num_seqs=num_seqs)
+        if self._cache_cls.layout != self.backend.kv_layout:
+            raise ValueError(
+                f"the cache policy {self._cache_cls.__name__} serves the "
+                f"{self._cache_cls.layout} KV layout; the {self.backend.name} backend's is "
+                f"{self.backend.kv_layout}: choose a cache_policy for it, or leave it auto")
+        kv = self._cache_cls(pool_tokens, num_seqs, prefix_caching=self.config.prefix_caching)
+        kv.allocate(self.backend)
         step_tokens = sizes.max_step_tokens
         sched_config = SchedulerConfig(
-            num_seqs, step_tokens,
-            prefix_caching=self.config.prefix_caching and self.backend.supports_prefix_sharing,
-            compaction=self.backend.supports_moving,
-            max_scored_tokens=scored_tokens_per_step(step_tokens))
-        self.scheduler = self._scheduler_cls(sched_config, cache)
+            num_seqs, step_tokens, max_scored_tokens=scored_tokens_per_step(step_tokens))
+        self.scheduler = self._scheduler_cls(sched_config, kv)
         if self._on_loaded is not None:
             self._on_loaded(self)
 
@@ -309,25 +308,23 @@ class Engine:
             return
         self._live[live.seq.seq_id] = live
 
-    def _start(self, seq: Sequence) -> None:
-        """Prepare the backend slot, with the reused prefix's KV in place when there is one."""
-        slot = seq.slot
-        assert slot is not None
+    def _started(self, live: _Live) -> None:
+        """``live``'s sequence is known to the backend now: count its prefix-cache lookup."""
+        seq = live.seq
+        live.started = True
+        self._dequeued()
+        self._emit(live, ADMITTED)
         assert self.scheduler is not None
         # Every admitted prompt is looked up, except one whose log-probabilities are wanted.
-        if self.scheduler.config.prefix_caching and not seq.scores_prompt:
+        if self.scheduler.kv.prefix_caching and not seq.scores_prompt:
             self.prefix_queried_tokens += seq.num_prompt_tokens
-        if seq.reuse is None:
-            self.backend.start_sequence(slot, seq.params)
-            return
-        source, n = seq.reuse
-        if source == slot:  # a retained slot taken over: keep its first n tokens
-            self.backend.start_sequence(slot, seq.params, keep_tokens=n)
-        else:
-            self.backend.start_sequence(slot, seq.params)
-            self.backend.share_prefix(source, slot, n)
-        self.prefix_hits += 1
-        self.prefix_tokens_reused += n
+        if seq.num_cached_tokens:
+            self.prefix_hits += 1
+            self.prefix_tokens_reused += seq.num_cached_tokens
+
+    def _apply(self, ops: tuple[KVOp, ...]) -> None:
+        for op in ops:
+            op.apply(self.backend)
 
     def _expire_waiting(self) -> None:
         """Refuse requests that waited for room longer than queue_timeout_s."""
@@ -352,27 +349,18 @@ class Engine:
         assert self.scheduler is not None
         if self.scheduler.waiting:
             self._expire_waiting()
-        chunks = self.scheduler.schedule()
+        plan = self.scheduler.schedule()
         if self.config.max_queue == 0 and self.scheduler.waiting:
             self._refuse_waiting()
+        self._apply(plan.ops)
+        for seq in self.scheduler.running:
+            if not (live := self._live[seq.seq_id]).started:
+                self._started(live)
+        chunks = plan.chunks
         if not chunks:
             self._flush()
             return
-        for slot in self.scheduler.take_evicted():
-            self.backend.free_sequence(slot)
-        for source, target, num_tokens in self.scheduler.take_moved():
-            self.backend.share_prefix(source, target, num_tokens)
-            self.backend.free_sequence(source)
-        for source, target, num_tokens in self.scheduler.take_compactions():
-            self.backend.move_sequence(source, target, num_tokens)
-        for seq in self.scheduler.running:
-            live = self._live[seq.seq_id]
-            if not live.started:
-                self._start(seq)
-                live.started = True
-                self._dequeued()
-                self._emit(live, ADMITTED)
-        items = [c.item() for c in chunks]
+        items = plan.items()
         # The previous step's tokens and this step's admissions go out just before the model
         # runs: the model call releases the GIL, so the event loop formats and sends them
         # while it runs instead of holding the GIL between two steps (measured at concurrency
@@ -388,6 +376,7 @@ class Engine:
             return
         for c, result in zip(chunks, sampled, strict=True):
             c.seq.num_computed += len(c.tokens)
+            self.scheduler.kv.computed(c.seq)
             live = self._live[c.seq.seq_id]
             live.prompt_logprobs += result.scores
             if result.error is not None:  # this sequence alone could not go on
@@ -434,12 +423,10 @@ class Engine:
                 prompt_logprobs: tuple[Sample, ...] = ()) -> None:
         seq = live.seq
         assert self.scheduler is not None
-        slot = seq.slot
         retain = reason in (FinishReason.STOP, FinishReason.LENGTH)
-        kept = self.scheduler.finish(seq, retain=retain and live.started)
-        if live.started and not kept:
-            self.backend.free_sequence(slot)  # type: ignore[arg-type]
-        elif not live.started:
+        self.scheduler.finish(seq, retain=retain and live.started)
+        self._apply(self.scheduler.kv.take_ops())
+        if not live.started:
             self._dequeued()
         seq.finish_reason = reason
         seq.finished_time = time.perf_counter()
@@ -448,7 +435,7 @@ class Engine:
         del self._live[seq.seq_id]
         timing = _timing(seq, live.token_gaps)
         usage = Usage(seq.num_prompt_tokens, len(seq.output_token_ids),
-                      seq.reuse[1] if seq.reuse and live.started else 0)
+                      seq.num_cached_tokens if live.started else 0)
         self._emit(live, TokenEvent(text, token_ids, reason, error, timing, samples=samples,
                                     prompt_logprobs=prompt_logprobs, usage=usage))
 

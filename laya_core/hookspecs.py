@@ -42,8 +42,12 @@ def register_routers(register: Register) -> None:
 def register_schedulers(register: Register) -> None:
     """Register scheduling policies: ``register(name, cls)``.
 
-    ``cls(config, cache)`` returns a :class:`laya_core.scheduler.Scheduler` that chooses, each
-    engine step, which sequences prefill or decode within the cache budget.
+    ``cls(config, kv)`` (a :class:`laya_core.scheduler.SchedulerConfig` and the replica's
+    :class:`laya_core.kv_cache.KVCache`) returns a :class:`laya_core.scheduler.Scheduler`.
+    Its ``schedule()`` writes policy only: it admits waiting sequences (``can_admit`` /
+    ``admit``) and returns ``self.plan(order)``, the running sequences in the order they are
+    served this step; where their KV lives is the cache policy's. The name is what a
+    manifest writes in ``models[].scheduler``.
     """
 
 
@@ -51,8 +55,14 @@ def register_schedulers(register: Register) -> None:
 def register_cache_policies(register: Register) -> None:
     """Register KV-cache policies: ``register(name, cls)``.
 
-    ``cls(num_tokens, block_size)`` returns a :class:`laya_core.cache.CachePolicy` that accounts
-    KV cache blocks for sequences against the replica's fixed capacity.
+    ``cls(num_tokens, max_num_seqs, prefix_caching=True)`` returns a
+    :class:`laya_core.kv_cache.KVCache` serving the KV layout in its ``layout`` class
+    attribute (a backend's ``kv_layout``): it allocates the backend's pool
+    (``allocate(backend)``), admits sequences within it, finds their cached prefixes, and
+    records the ops (objects with ``apply(backend)``) the engine applies before the step
+    that needs them. The core registers ``paged`` (the KV manager's blocks); a backend with
+    its own layout ships its policy and its ops in its plugin. A manifest's
+    ``cache_policy = "auto"`` picks the policy serving the backend's layout.
     """
 
 

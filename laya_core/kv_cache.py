@@ -63,6 +63,7 @@ class KVCache(abc.ABC):
                  block_size: int = BLOCK_SIZE) -> None:
         if num_tokens < block_size:
             raise ValueError(f"a KV pool of {num_tokens} tokens is smaller than one block")
+        self.num_tokens = num_tokens
         self.block_size = block_size
         self.num_blocks = num_tokens // block_size
         self.max_num_seqs = max_num_seqs
@@ -89,6 +90,12 @@ class KVCache(abc.ABC):
     def num_cached_blocks(self) -> int:
         """Blocks of finished sequences kept for prefix reuse, given back when needed."""
 
+    def allocate(self, backend: Backend) -> None:
+        """Have the backend allocate the fixed pool, once, at load; the default asks for
+        ``num_tokens`` tokens shared by ``max_num_seqs`` sequences (``Backend.allocate_kv``).
+        A policy whose layout needs more of the backend overrides this."""
+        backend.allocate_kv(num_tokens=self.num_tokens, max_num_seqs=self.max_num_seqs)
+
     def bind(self, waiting: Seq[Sequence], running: Seq[Sequence]) -> None:  # noqa: B027
         """The scheduler's queues, for policies that look at what waits or runs."""
 
@@ -98,11 +105,13 @@ class KVCache(abc.ABC):
 
     @abc.abstractmethod
     def admit(self, seq: Sequence) -> None:
-        """Give ``seq`` its room and its cached prefix (``seq.num_computed`` starts there)."""
+        """Give ``seq`` its room and its cached prefix: ``seq.num_computed`` and
+        ``seq.num_cached_tokens`` start there."""
 
     @abc.abstractmethod
     def finish(self, seq: Sequence, retain: bool) -> None:
-        """``seq`` left; with ``retain`` its computed KV may stay for later prompts."""
+        """``seq`` left; with ``retain`` its computed KV may stay for later prompts. The
+        ops it records (``take_ops``) run before the next step."""
 
     def before_step(self) -> None:  # noqa: B027 - optional
         """Called once a step after admission: a policy may rearrange the pool."""
@@ -115,7 +124,7 @@ class KVCache(abc.ABC):
         return ()
 
     def handle(self, seq: Sequence) -> int:
-        """What the backend calls ``seq`` in ``StepItem.slot``: its sequence id, here."""
+        """What the backend calls ``seq`` in ``StepItem.seq_id``: its sequence id, here."""
         return seq.seq_id
 
     def take_ops(self) -> tuple[KVOp, ...]:

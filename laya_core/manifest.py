@@ -133,7 +133,7 @@ def _model(data: Any, index: int, base_dir: Path, problems: Problems) -> ModelCo
         t.problem("max_step_tokens", f"must be at least max_num_seqs ({max_num_seqs}) so every "
                   "running sequence can decode each step")
     scheduler = t.get("scheduler", str, "fcfs", check=non_empty)
-    cache_policy = t.get("cache_policy", str, "blocks", check=non_empty)
+    cache_policy = t.get("cache_policy", str, "auto", check=non_empty)
     options = dict(t.get("options", dict, {}))
     t.finish(MODEL_KEYS)
     if name is None or path is None:
@@ -257,6 +257,24 @@ def _index_of(manifest: Manifest, m: ModelConfig, position: int) -> int:
     return manifest.model_index.get(m.name, position)
 
 
+def _check_layout(backend: Any, m: ModelConfig, i: int, registry: Any,
+                  problems: Problems) -> None:
+    """A cache policy named in the manifest must serve the backend's KV layout."""
+    policy = registry.cache_policies.get(m.cache_policy)
+    if m.cache_policy == "auto":
+        fitting = [n for n, e in registry.cache_policies.items()
+                   if e.obj.layout == backend.kv_layout]
+        if not fitting:
+            problems.add(f"models[{i}].cache_policy",
+                         f"no installed cache policy serves the {backend.kv_layout} KV layout "
+                         f"of the {m.backend} backend; install the plugin that ships one")
+    elif policy is not None and policy.obj.layout != backend.kv_layout:
+        problems.add(f"models[{i}].cache_policy",
+                     f"{m.cache_policy!r} serves the {policy.obj.layout} KV layout, the "
+                     f"{m.backend} backend has the {backend.kv_layout} layout; leave it "
+                     "\"auto\" or name a policy for that layout")
+
+
 def _resolve_model(m: ModelConfig, i: int, registry: Any, need_backends: bool,
                    problems: Problems) -> ModelConfig:
     for key, family in (("backend", registry.backends), ("scheduler", registry.schedulers),
@@ -264,7 +282,7 @@ def _resolve_model(m: ModelConfig, i: int, registry: Any, need_backends: bool,
         chosen = getattr(m, key)
         if key == "backend" and not need_backends:
             continue
-        if chosen not in family:
+        if chosen not in family and not (key == "cache_policy" and chosen == "auto"):
             known = ", ".join(sorted(family)) or "none"
             problems.add(f"models[{i}].{key}",
                          f"no {key.replace('_', ' ')} {chosen!r} is installed "
@@ -276,6 +294,7 @@ def _resolve_model(m: ModelConfig, i: int, registry: Any, need_backends: bool,
                      f"cache; it supports {', '.join(backend.obj.kv_cache_dtypes)}")
     if backend and need_backends:
         _check_options(backend.obj, m, i, problems)
+        _check_layout(backend.obj, m, i, registry, problems)
     try:
         resolved = registry.resolve_model_path(m.path)
     except LookupError as e:

@@ -24,7 +24,7 @@ class PlannedChunk:
     seq: Sequence = attrs.field(eq=False)
     tokens: tuple[int, ...]
     start_pos: int
-    slot: int  # the backend's name for the sequence (KVCache.handle)
+    seq_id: int  # the backend's name for the sequence (KVCache.handle)
     block_table: tuple[int, ...] = ()  # paged layouts: the blocks of positions 0 ..
 
     @property
@@ -36,7 +36,7 @@ class PlannedChunk:
         """What the backend is asked: the tokens to feed, the prompt tokens to score, and
         the tokens the sampled one may be."""
         seq, samples = self.seq, self.samples
-        return StepItem(self.slot, self.tokens, self.start_pos, samples,
+        return StepItem(self.seq_id, self.tokens, self.start_pos, samples,
                         seq.score_targets(self.start_pos, len(self.tokens)),
                         seq.params.prompt_logprobs or 0, block_table=self.block_table,
                         allowed_tokens=seq.allowed_tokens() if samples else None)

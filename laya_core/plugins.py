@@ -121,6 +121,18 @@ class Registry:
             "cache_policy": self.cache_policies,
         }[family]
 
+    def cache_policy_for(self, backend: str, cache_policy: str = "auto") -> Any:
+        """The KV-cache policy class a model uses: ``cache_policy`` by name, or with
+        ``"auto"`` the first registered one serving the backend's ``kv_layout``."""
+        layout = self.backends[backend].obj.kv_layout
+        if cache_policy != "auto":
+            return self.cache_policies[cache_policy].obj
+        for entry in self.cache_policies.values():
+            if entry.obj.layout == layout:
+                return entry.obj
+        raise LookupError(f"no installed cache policy serves the {layout} KV layout of the "
+                          f"{backend} backend; install the plugin that ships one")
+
     def resolve_model_path(self, path: str) -> str | None:
         result: str | None = self.plugin_manager.hook.resolve_model_path(path=path)
         return result

@@ -35,12 +35,8 @@ class Sequence:
     arrival_time: float = attrs.field(factory=time.perf_counter)
     output_token_ids: list[int] = attrs.field(factory=list)
     num_computed: int = 0
-    slot: int | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
-    # Set at admission when the KV of a leading part of the prompt already exists in the cache:
-    # (slot holding it, number of tokens). The engine has the backend share it before prefill.
-    reuse: tuple[int, int] | None = None
     # Leading prompt tokens whose KV came from the prefix cache at admission (not computed):
     # what usage.prompt_tokens_details.cached_tokens reports.
     num_cached_tokens: int = 0

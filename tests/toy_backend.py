@@ -3,10 +3,12 @@
 Its vocabulary is the 256 byte values plus an end token (256); tokenizing is UTF-8 encoding,
 so multi-byte characters arrive split across tokens. Its "model" repeats the prompt: the token
 at position p is ``prompt[p % len(prompt)]``, or the end token where the prompt holds a 0 byte.
-It keeps the tokens each slot was fed and checks every step is fed in order, so it also checks
-the engine's chunking and slot bookkeeping. Prompt log-probabilities follow from that model:
-each prompt token is certain given those before it (log-probability 0, rank 1, and no
-alternatives with any probability to list).
+It is a paged backend: each position's token id lives in a block of its KV pool, and a step
+reads the sequence's history through the item's block table only, so a wrong block table or
+KV shared where it should not be changes its output. It checks every sequence is fed in
+order, so it also checks the engine's chunking and the KV manager's bookkeeping. Prompt
+log-probabilities follow from that model: each prompt token is certain given those before it
+(log-probability 0, rank 1, and no alternatives with any probability to list).
 
 An allowed-token mask (``StepItem.allowed_tokens``) is honoured: where it excludes the token
 the model would say, the toy says the lowest allowed token id instead, with the
@@ -21,8 +23,9 @@ from collections.abc import Sequence
 
 from laya_core.allowed_tokens import NO_TOKEN_ALLOWED
 from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem, StepResult
-from laya_core.cache import BlockCachePolicy
 from laya_core.engine import Engine
+from laya_core.kv_cache import PagedKVCache
+from laya_core.kv_manager import BLOCK_SIZE
 from laya_core.scheduler import FcfsScheduler
 from laya_core.tokenizer import Tokenizer
 from laya_core.types import Sample, SamplingParams
@@ -44,61 +47,64 @@ class ToyTokenizer(Tokenizer):
 
 
 class ToyBackend(Backend):
+    """The toy model on the paged layout: its KV pool holds one token id per position, and
+    each step reads a sequence's history through its block table only."""
+
     name = "toy"
+    kv_layout = "paged"
     option_names = frozenset({"load_delay_s", "fail_load", "step_delay_s"})
+    supports_prompt_logprobs = True
 
     def load_weights(self) -> ModelInfo:
         time.sleep(self.config.options.get("load_delay_s", 0.0))
         if self.config.options.get("fail_load"):
             raise OSError("the weights are unreadable")
-        self.fed: dict[int, list[int]] = {}
+        self.started: dict[int, int | None] = {}  # sequence id -> the next position it feeds
         self.prompt_len: dict[int, int] = {}
         self.steps: list[list[StepItem]] = []
         return ModelInfo(n_ctx_train=512, vocab_size=257, eog_token_ids=frozenset({END}),
                          chat_template=None, bos_token="", eos_token="", add_bos=False)
 
-    def allocate_cache(self, *, n_ctx: int, max_num_seqs: int) -> None:
-        self.n_ctx = n_ctx
-        self.max_num_seqs = max_num_seqs
+    def allocate_kv(self, *, num_tokens: int, max_num_seqs: int) -> None:
+        self.num_tokens, self.max_num_seqs = num_tokens, max_num_seqs
+        # pool: [num_blocks][BLOCK_SIZE] token ids; None where no KV was ever written
+        self.pool: list[list[int | None]] = [[None] * BLOCK_SIZE
+                                             for _ in range(num_tokens // BLOCK_SIZE)]
 
     def tokenizer(self) -> ToyTokenizer:
         return ToyTokenizer()
 
-    supports_prefix_sharing = True
-
-    def start_sequence(self, slot: int, params: SamplingParams, keep_tokens: int = 0) -> None:
-        assert 0 <= slot < self.max_num_seqs
-        assert keep_tokens or slot not in self.fed, f"slot {slot} started twice"
-        self.fed[slot] = self.fed.get(slot, [])[:keep_tokens]
-        self.prompt_len.pop(slot, None)
-
-    def share_prefix(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
-        assert not self.fed.get(dst_slot), f"slot {dst_slot} is in use"
-        self.fed[dst_slot] = self.fed[src_slot][:num_tokens]
-
-    supports_prompt_logprobs = True
+    def start_sequence(self, seq_id: int, params: SamplingParams) -> None:
+        assert seq_id not in self.started, f"sequence {seq_id} started twice"
+        self.started[seq_id] = None
 
     def step(self, items: Sequence[StepItem]) -> list[StepResult]:
         self.steps.append(list(items))
         time.sleep(self.config.options.get("step_delay_s", 0.0))  # a model takes time
         assert sum(len(i.tokens) for i in items) <= self.config.max_step_tokens
-        out: list[StepResult] = []
-        for item in items:
-            history = self.fed[item.slot]
-            assert item.start_pos == len(history), "tokens fed out of order"
-            assert len(item.tokens) - item.sample <= len(item.score_targets) \
-                or not item.score_targets, "a chunk scores each row that does not sample"
-            history.extend(item.tokens)
-            scores = tuple(Sample(t, 0.0, ((t, 0.0),) if item.score_top else (), rank=1)
-                           for t in item.score_targets)
-            if not item.sample:
-                out.append(StepResult(None, scores))
-                continue
-            prompt_len = self.prompt_len.get(item.slot) or len(history)
-            self.prompt_len[item.slot] = prompt_len
-            token = history[len(history) % prompt_len] or END
-            out.append(self._sample(item, token, scores))
-        return out
+        assert len(items) <= self.max_num_seqs
+        return [self._run(item) for item in items]
+
+    def _run(self, item: StepItem) -> StepResult:
+        expected = self.started[item.seq_id]
+        assert expected in (None, item.start_pos), "tokens fed out of order"
+        assert len(item.tokens) - item.sample <= len(item.score_targets) \
+            or not item.score_targets, "a chunk scores each row that does not sample"
+        table, end = item.block_table, item.start_pos + len(item.tokens)
+        assert len(table) * BLOCK_SIZE >= end, "a block table too short for its tokens"
+        for j, token in enumerate(item.tokens):
+            p = item.start_pos + j
+            self.pool[table[p // BLOCK_SIZE]][p % BLOCK_SIZE] = token
+        self.started[item.seq_id] = end
+        history = [self.pool[table[p // BLOCK_SIZE]][p % BLOCK_SIZE] for p in range(end)]
+        assert None not in history, "KV missing: a cached block that was never computed"
+        scores = tuple(Sample(t, 0.0, ((t, 0.0),) if item.score_top else (), rank=1)
+                       for t in item.score_targets)
+        if not item.sample:
+            return StepResult(None, scores)
+        prompt_len = self.prompt_len.setdefault(item.seq_id, end)
+        token = history[end % prompt_len] or END
+        return self._sample(item, token, scores)  # type: ignore[arg-type]
 
     @staticmethod
     def _sample(item: StepItem, token: int, scores: tuple[Sample, ...]) -> StepResult:
@@ -109,25 +115,15 @@ class ToyBackend(Backend):
             return StepResult(None, scores, NO_TOKEN_ALLOWED)
         return StepResult(Sample(int(allowed.token_ids()[0]), float("-inf")), scores)
 
-    supports_moving = True
-
-    def move_sequence(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
-        assert not self.fed.get(dst_slot), f"slot {dst_slot} is in use"
-        assert len(self.fed[src_slot]) == num_tokens, "a running sequence moves whole"
-        self.fed[dst_slot] = self.fed.pop(src_slot)
-        if src_slot in self.prompt_len:
-            self.prompt_len[dst_slot] = self.prompt_len.pop(src_slot)
-
-    def free_sequence(self, slot: int) -> None:
-        self.fed.pop(slot)
-        self.prompt_len.pop(slot, None)
-
+    def free_sequence(self, seq_id: int) -> None:
+        del self.started[seq_id]
+        self.prompt_len.pop(seq_id, None)
 
 
 def started_engine(**config: object) -> Engine:
     """An engine of the toy backend, loaded; ``config`` holds ModelConfig fields."""
     cfg = ModelConfig(name="toy", backend="toy", path="-", **config)  # type: ignore[arg-type]
-    engine = Engine(cfg, ToyBackend(cfg), FcfsScheduler, BlockCachePolicy)
+    engine = Engine(cfg, ToyBackend(cfg), FcfsScheduler, PagedKVCache)
     engine.start()
     assert engine.wait_ready(5)
     return engine

@@ -1,9 +1,9 @@
-"""Registers the default KV-cache policy as ``blocks``."""
+"""Registers the core's KV-cache policy for paged backends as ``paged``."""
 
-from laya_core.cache import BlockCachePolicy
 from laya_core.hookspecs import Register, hookimpl
+from laya_core.kv_cache import PagedKVCache
 
 
 @hookimpl
 def register_cache_policies(register: Register) -> None:
-    register("blocks", BlockCachePolicy)
+    register("paged", PagedKVCache)

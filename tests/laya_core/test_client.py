@@ -13,7 +13,7 @@ from toy_backend import END, ToyBackend, started_engine
 
 import laya_core.http
 from laya_core.backend import ModelConfig
-from laya_core.cache import BlockCachePolicy
+from laya_core.kv_cache import PagedKVCache
 from laya_core.client import (
     EngineState,
     EngineUnavailableError,
@@ -134,7 +134,7 @@ def test_state_is_a_snapshot_that_later_steps_do_not_change() -> None:
 def test_info_and_tokenizer_wait_for_the_load() -> None:
     cfg = ModelConfig(name="toy", backend="toy", path="-", max_seq_len=64,
                       options={"load_delay_s": 0.3})
-    engine = Engine(cfg, ToyBackend(cfg), FcfsScheduler, BlockCachePolicy, replica_id=3)
+    engine = Engine(cfg, ToyBackend(cfg), FcfsScheduler, PagedKVCache, replica_id=3)
     c = LocalEngineClient(engine)
     engine.start()
     assert c.state().state is EngineState.LOADING and not c.state().ready
@@ -158,7 +158,7 @@ def test_info_and_tokenizer_wait_for_the_load() -> None:
 
 def test_a_failed_load_keeps_info_unavailable_with_the_reason() -> None:
     cfg = ModelConfig(name="toy", backend="toy", path="-", options={"fail_load": True})
-    engine = Engine(cfg, ToyBackend(cfg), FcfsScheduler, BlockCachePolicy)
+    engine = Engine(cfg, ToyBackend(cfg), FcfsScheduler, PagedKVCache)
     c = LocalEngineClient(engine)
     engine.start()
     engine.wait_ready(5)

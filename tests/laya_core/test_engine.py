@@ -33,7 +33,7 @@ def test_cancel_leaves_at_the_next_step_and_frees_the_cache() -> None:
     assert reason is FinishReason.CANCELLED
     assert len(texts) < 50
     assert e.kv_usage == 0.0 and e.num_running == 0
-    assert not e.backend.fed  # type: ignore[attr-defined]
+    assert not e.backend.started  # type: ignore[attr-defined]
     e.stop()
 
 

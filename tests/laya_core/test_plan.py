@@ -40,7 +40,7 @@ class PagedToy:
     def step(self, items: Seq[StepItem]) -> list[StepResult]:
         out = []
         for item in items:
-            assert item.slot in self.started
+            assert item.seq_id in self.started
             table = item.block_table
             for p in range(item.start_pos):  # what is there already is this sequence's
                 assert self.pool[table[p // BS]][p % BS] is not None, "KV missing"
@@ -52,7 +52,7 @@ class PagedToy:
                 continue
             end = item.start_pos + len(item.tokens)
             history = [self.pool[table[p // BS]][p % BS] for p in range(end)]
-            n = self.prompt_len.setdefault(item.slot, end)
+            n = self.prompt_len.setdefault(item.seq_id, end)
             token = history[end % n]
             assert token is not None
             out.append(StepResult(Sample(token)))

@@ -41,7 +41,7 @@ class InTestPlugin:
 def test_builtin_and_entry_point_plugins_are_listed_with_their_source() -> None:
     registry = load_registry()
     assert registry.schedulers["fcfs"].source.startswith("builtin")
-    assert registry.cache_policies["blocks"].source.startswith("builtin")
+    assert registry.cache_policies["paged"].source.startswith("builtin")
     assert registry.routers["python"].source.startswith("builtin")
     assert registry.backends["llamacpp"].source.startswith("laya-backend-llamacpp")
 
@@ -140,3 +140,25 @@ def test_one_list_of_kv_dtypes() -> None:
     for entry in registry.backends.values():
         assert set(entry.obj.kv_cache_dtypes) <= set(KV_DTYPE_NAMES), entry.name
     assert callable(kv_bytes_per_token)
+
+
+def test_the_cache_policy_follows_the_backends_kv_layout(tmp_path: Path) -> None:
+    from laya_core.backend import ModelConfig
+    from laya_core.engine import Engine
+    from laya_core.kv_cache import PagedKVCache
+
+    registry = load_registry([InTestPlugin()])
+    assert registry.cache_policy_for("toy") is PagedKVCache  # "auto"
+    streams = registry.cache_policy_for("llamacpp")
+    assert streams.layout == "streams" == registry.backends["llamacpp"].obj.kv_layout
+    weights = tmp_path / "toy.bin"
+    weights.write_bytes(b"")
+    with pytest.raises(mf.ManifestError, match="serves the streams KV layout"):
+        mf.resolve(mf.from_dict({"models": [
+            {"name": "toy", "backend": "toy", "path": str(weights),
+             "cache_policy": "llamacpp-streams"}]}), registry)
+    cfg = ModelConfig(name="toy", backend="toy", path="-", max_seq_len=64)
+    engine = Engine(cfg, ToyBackend(cfg), FcfsScheduler, streams)
+    engine.start()
+    assert not engine.wait_ready(5) and "paged" in (engine.error or "")
+    engine.stop()

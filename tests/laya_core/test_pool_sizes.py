@@ -10,7 +10,7 @@ from laya_core import manifest as mf
 from laya_core import planner
 from laya_core.backend import ModelInfo
 from laya_core.builtin.model_paths import embedded_file
-from laya_core.cache import BlockCachePolicy
+from laya_core.kv_cache import PagedKVCache
 from laya_core.engine import Engine
 from laya_core.model_files import read_shape
 from laya_core.plugins import load_registry
@@ -26,9 +26,9 @@ class ShapedToy(ToyBackend):
         info = super().load_weights()
         return attrs.evolve(info, n_ctx_train=read_shape(MODEL).n_ctx_train)
 
-    def allocate_cache(self, *, n_ctx: int, max_num_seqs: int) -> None:
-        super().allocate_cache(n_ctx=n_ctx, max_num_seqs=max_num_seqs)
-        self.allocated = (n_ctx, max_num_seqs)
+    def allocate_kv(self, *, num_tokens: int, max_num_seqs: int) -> None:
+        super().allocate_kv(num_tokens=num_tokens, max_num_seqs=max_num_seqs)
+        self.allocated = (num_tokens, max_num_seqs)
 
 
 @pytest.mark.parametrize("sizes", [
@@ -44,7 +44,7 @@ def test_the_engine_decides_the_sizes_the_plan_decided(sizes: dict) -> None:
     (planned,) = planner.make_plan(manifest, registry).replicas
     (config,) = manifest.models
     backend = ShapedToy(config)
-    engine = Engine(config, backend, FcfsScheduler, BlockCachePolicy)
+    engine = Engine(config, backend, FcfsScheduler, PagedKVCache)
     engine.start()
     try:
         assert engine.wait_ready(5), engine.error

@@ -1,4 +1,4 @@
-from laya_core.cache import BlockCachePolicy
+from laya_core.kv_cache import PagedKVCache
 from laya_core.scheduler import FcfsScheduler, SchedulerConfig
 from laya_core.sequence import Sequence, SequenceStatus
 from laya_core.types import SamplingParams
@@ -11,7 +11,8 @@ def seq(prompt_len: int, max_tokens: int = 4) -> Sequence:
 
 
 def scheduler(pool_tokens: int = 256, max_num_seqs: int = 4, step: int = 64) -> FcfsScheduler:
-    return FcfsScheduler(SchedulerConfig(max_num_seqs, step), BlockCachePolicy(pool_tokens, 16))
+    return FcfsScheduler(SchedulerConfig(max_num_seqs, step),
+                         PagedKVCache(pool_tokens, max_num_seqs, prefix_caching=False))
 
 
 def advance(chunks, token: int = 7) -> None:  # type: ignore[no-untyped-def]
@@ -29,8 +30,7 @@ def test_admits_in_order_within_cache_and_slots() -> None:
         s.add(x)
     s.schedule()
     assert [x.status for x in (a, b, c)] == [SequenceStatus.RUNNING] * 2 + [SequenceStatus.WAITING]
-    assert {a.slot, b.slot} == {0, 1}
-    assert s.cache.num_used_blocks == 2 + 1  # 32 tokens = 2 blocks, 16 = 1
+    assert s.kv.num_used_blocks == 2 + 1  # 32 tokens = 2 blocks, 16 = 1
 
 
 def test_head_of_line_waits_for_room() -> None:
@@ -41,7 +41,7 @@ def test_head_of_line_waits_for_room() -> None:
     s.schedule()
     assert big.status is SequenceStatus.RUNNING and small.status is SequenceStatus.WAITING
     s.finish(big)
-    assert s.cache.num_used_blocks == 0
+    assert s.kv.num_used_blocks == 0
     s.schedule()
     assert small.status is SequenceStatus.RUNNING
 
@@ -50,21 +50,21 @@ def test_decode_goes_first_and_prefill_is_chunked() -> None:
     s = scheduler(pool_tokens=1024, step=16)
     short, long = seq(3), seq(40)
     s.add(short)
-    chunks = s.schedule()
+    chunks = s.schedule().chunks
     advance(chunks)
     assert short.num_computed == 3 and short.output_token_ids == [7]
     s.add(long)
-    chunks = s.schedule()
+    chunks = s.schedule().chunks
     assert [(c.seq, len(c.tokens), c.start_pos) for c in chunks] == [(short, 1, 3), (long, 15, 0)]
     assert chunks[0].samples and not chunks[1].samples
     advance(chunks)
-    chunks = s.schedule()
+    chunks = s.schedule().chunks
     assert [(c.seq, len(c.tokens)) for c in chunks] == [(short, 1), (long, 15)]
     advance(chunks)
-    chunks = s.schedule()
+    chunks = s.schedule().chunks
     assert [(c.seq, len(c.tokens), c.start_pos) for c in chunks] == [(short, 1, 5), (long, 10, 30)]
     assert chunks[1].samples
-    assert chunks[1].tokens == long.prompt_token_ids[30:]
+    assert chunks[1].tokens == tuple(long.prompt_token_ids[30:])
 
 
 def test_finish_frees_slot_and_cache_and_unknown_waiting_is_removed() -> None:
@@ -76,11 +76,11 @@ def test_finish_frees_slot_and_cache_and_unknown_waiting_is_removed() -> None:
     s.finish(b)  # still waiting
     assert not s.waiting and b.status is SequenceStatus.FINISHED
     s.finish(a)
-    assert not s.has_work and s.cache.num_used_blocks == 0
+    assert not s.has_work and s.kv.num_used_blocks == 0
     c = seq(5)
     s.add(c)
     s.schedule()
-    assert c.slot == 0
+    assert c.status is SequenceStatus.RUNNING
 
 
 def test_refuses_what_can_never_fit() -> None:
@@ -93,16 +93,6 @@ def test_refuses_what_can_never_fit() -> None:
         raise AssertionError("a sequence larger than the pool was accepted")
 
 
-def test_block_policy_accounting() -> None:
-    cache = BlockCachePolicy(100, 16)  # 6 whole blocks
-    assert cache.capacity_tokens == 96
-    cache.allocate(1, 17)
-    assert cache.num_used_blocks == 2 and cache.can_allocate(64) and not cache.can_allocate(65)
-    cache.free(1)
-    cache.free(1)  # freeing twice is harmless
-    assert cache.num_used_blocks == 0 and cache.usage == 0.0
-
-
 def test_a_prompt_never_ends_in_a_one_token_chunk() -> None:
     """llama.cpp computes a one-token batch with other kernels: 64 + 1 would answer otherwise
     than 63 + 2 or 61 + 4, so the last chunk of a prompt always has two tokens or more."""
@@ -111,13 +101,13 @@ def test_a_prompt_never_ends_in_a_one_token_chunk() -> None:
     s.add(alone)
     sizes = []
     while alone.is_prefilling:
-        chunks = s.schedule()
+        chunks = s.schedule().chunks
         sizes.append(len(chunks[0].tokens))
         advance(chunks)
     assert sizes == [63, 2]
     single = seq(1)  # a one-token prompt has no other way
     s.add(single)
-    assert [len(c.tokens) for c in s.schedule() if c.seq is single] == [1]
+    assert [len(c.tokens) for c in s.schedule().chunks if c.seq is single] == [1]
 
 
 def test_a_prompt_waits_rather_than_leave_a_lone_last_token() -> None:
@@ -125,12 +115,12 @@ def test_a_prompt_waits_rather_than_leave_a_lone_last_token() -> None:
     decoding = [seq(1, 50) for _ in range(3)]
     for d in decoding:
         s.add(d)
-    advance(s.schedule())  # three sequences decode from now on: 1 token of budget is left
+    advance(s.schedule().chunks)  # three sequences decode from now on: 1 token of budget left
     late = seq(2)
     s.add(late)
-    chunks = s.schedule()
+    chunks = s.schedule().chunks
     assert [c.seq for c in chunks] == decoding  # 1 token of 2 would leave a lone last one
     advance(chunks)
     s.finish(decoding[0])
-    chunks = s.schedule()
+    chunks = s.schedule().chunks
     assert [len(c.tokens) for c in chunks if c.seq is late] == [2]

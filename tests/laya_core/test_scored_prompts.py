@@ -9,7 +9,7 @@ import pytest
 from toy_backend import ToyBackend, started_engine
 
 from laya_core.backend import ModelConfig
-from laya_core.cache import BlockCachePolicy
+from laya_core.kv_cache import PagedKVCache
 from laya_core.engine import Engine
 from laya_core.memory_plan import MAX_SCORED_TOKENS_PER_STEP, scored_tokens_per_step
 from laya_core.scheduler import FcfsScheduler, SchedulerConfig
@@ -28,7 +28,7 @@ def run_prefill(s: FcfsScheduler) -> list[list[tuple[Sequence, int, int]]]:
     """Schedule until nothing prefills; each step's (sequence, tokens, scored targets)."""
     steps = []
     while any(x.is_prefilling for x in s.running) or s.waiting:
-        chunks = s.schedule()
+        chunks = s.schedule().chunks
         steps.append([(c.seq, len(c.tokens), len(c.item().score_targets)) for c in chunks
                       if c.seq.is_prefilling])
         for c in chunks:
@@ -40,7 +40,7 @@ def run_prefill(s: FcfsScheduler) -> list[list[tuple[Sequence, int, int]]]:
 
 def test_the_scored_rows_of_a_step_stay_within_their_budget() -> None:
     s = FcfsScheduler(SchedulerConfig(4, 512, max_scored_tokens=128),
-                      BlockCachePolicy(4096, 16))
+                      PagedKVCache(4096, 4, prefix_caching=False))
     a, b, plain = seq(300, True), seq(100, True), seq(300, False)
     for x in (a, b, plain):
         s.add(x)
@@ -55,8 +55,7 @@ def test_the_scored_rows_of_a_step_stay_within_their_budget() -> None:
 
 
 def test_a_scored_prompt_takes_nothing_from_the_prefix_cache() -> None:
-    s = FcfsScheduler(SchedulerConfig(4, 512, prefix_caching=True),
-                      BlockCachePolicy(4096, 16))
+    s = FcfsScheduler(SchedulerConfig(4, 512), PagedKVCache(4096, 4))
     first = seq(64, False)
     s.add(first)
     run_prefill(s)
@@ -66,8 +65,8 @@ def test_a_scored_prompt_takes_nothing_from_the_prefix_cache() -> None:
     s.add(scored)
     s.add(again)
     s.schedule()
-    assert scored.reuse is None and scored.num_computed == 0
-    assert again.reuse is not None  # others still reuse it
+    assert scored.num_cached_tokens == 0 and scored.num_computed == 0
+    assert again.num_cached_tokens == 48  # others still reuse it: whole blocks, 2 left
 
 
 def test_the_step_budget_bounds_the_scored_rows() -> None:
@@ -112,7 +111,7 @@ def test_a_backend_without_prompt_logprobs_refuses_them() -> None:
         supports_prompt_logprobs = False
 
     cfg = ModelConfig(name="toy", backend="toy", path="-", max_seq_len=64)
-    e = Engine(cfg, Plain(cfg), FcfsScheduler, BlockCachePolicy)
+    e = Engine(cfg, Plain(cfg), FcfsScheduler, PagedKVCache)
     e.start()
     assert e.wait_ready(5)
     try:

@@ -91,8 +91,12 @@ class LlamaCppBackend(Backend):
 
     name = "llamacpp"
     kv_cache_dtypes = KV_DTYPE_NAMES  # ggml stores every type Laya knows
-    supports_prefix_sharing = True
+    # A KV stream per slot, placed by the plugin's cache policy (streams.StreamsKVCache).
+    kv_layout = "streams"
     supports_prompt_logprobs = True
+    # Whether a running sequence can change slots (move_sequence): set at allocation, where
+    # each slot has a stream of its own and consecutive slots run as one forward pass.
+    supports_moving = False
     option_names = frozenset({"n_threads", "repack", "use_mmap", "flash_attn", "kv_unified"})
 
     @classmethod
@@ -215,6 +219,9 @@ class LlamaCppBackend(Backend):
                  if ll.llama_vocab_get_attr(self._vocab, t) & kinds)
         return frozenset(t for t in texts if t)
 
+    def allocate_kv(self, *, num_tokens: int, max_num_seqs: int) -> None:
+        self.allocate_cache(n_ctx=num_tokens, max_num_seqs=max_num_seqs)
+
     def allocate_cache(self, *, n_ctx: int, max_num_seqs: int) -> None:
         ll = self._ll
         params = ll.llama_context_default_params()
@@ -300,7 +307,7 @@ class LlamaCppBackend(Backend):
         That costs throughput (c=8 1.16x llama-server against 1.33x, AMD EPYC), and with
         flash attention on the output depends on the batch anyway, so only then.
         """
-        order = sorted(range(len(items)), key=lambda i: items[i].slot)
+        order = sorted(range(len(items)), key=lambda i: items[i].seq_id)
         if self._unified or not self._chunks_alone:
             return [order]
         decoding = [i for i in order if len(items[i].tokens) == 1]
@@ -322,7 +329,7 @@ class LlamaCppBackend(Backend):
                 batch.token[n] = token
                 batch.pos[n] = item.start_pos + j
                 batch.n_seq_id[n] = 1
-                batch.seq_id[n][0] = item.slot
+                batch.seq_id[n][0] = item.seq_id
                 batch.logits[n] = j < num_scored
                 n += 1
             if item.sample:
@@ -370,7 +377,7 @@ class LlamaCppBackend(Backend):
         allowed = item.allowed_tokens
         if allowed is not None and allowed.is_empty():
             return StepResult(None, scores, NO_TOKEN_ALLOWED)
-        sampler, top = self._samplers[item.slot], self._params[item.slot].logprobs
+        sampler, top = self._samplers[item.seq_id], self._params[item.seq_id].logprobs
         logits = np.ctypeslib.as_array(self._ll.llama_get_logits_ith(self._ctx, row),
                                        shape=(self._n_vocab,))
         return StepResult(sampling.sample_row(self._ll, self._ctx, sampler, row, logits,

@@ -1,0 +1,353 @@
+"""The llama.cpp cache policy: a KV stream per slot, retained slots, moves and compaction.
+
+llama.cpp keeps a sequence's KV in a *stream* named by a sequence id, its *slot*; a slot's
+stream holds one sequence at a time. This policy hands out slots, keeps a finished
+sequence's stream for later prompts that start the same way (prefix reuse), and records
+what the backend must do as ops, in the order they happened: the engine applies them before
+the step's ``llama_decode``, so a copy always reads the KV it was planned from.
+
+- **Accounting.** The pool is counted in blocks of 16 tokens; a running sequence reserves
+  its worst case (prompt + max_tokens) at admission, so it never needs preempting. Retained
+  KV is counted apart and given back, least recently used first, when room is needed.
+- **Placement.** llama.cpp with a stream per slot runs each run of consecutive slots as its
+  own forward pass (8 sequences decoded in 35 ms as one block, 61 ms scattered over four),
+  so a new sequence takes the slot with the most running neighbours, and when sequences
+  finish and nothing waits to fill the hole, the highest running sequence moves into it.
+- **Reuse.** At admission the longest prefix of the new prompt held by a retained or
+  running sequence is found. A retained slot whose KV is all prefix is taken over;
+  otherwise the prefix is copied and the cached text stays for the prompt it answered.
+  KV that a waiting request will reuse is moved out of the way rather than dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import attrs
+from laya_core.kv_cache import KVCache, max_reuse_tokens
+from laya_core.kv_manager import BLOCK_SIZE
+from laya_core.prefix_cache import MIN_REUSE_TOKENS, best_match, common_prefix_len
+from laya_core.sequence import Sequence
+from laya_core.types import SamplingParams
+
+
+@attrs.frozen
+class StartStream:
+    """A new sequence in ``slot``: its sampler; its stream keeps the first ``keep_tokens``
+    positions (a retained slot taken over), or gets ``num_copied`` from ``copy_from``."""
+
+    slot: int
+    params: SamplingParams
+    keep_tokens: int = 0
+    copy_from: int | None = None
+    num_copied: int = 0
+
+    def apply(self, backend: Any) -> None:
+        backend.start_sequence(self.slot, self.params, keep_tokens=self.keep_tokens)
+        if self.copy_from is not None:
+            backend.share_prefix(self.copy_from, self.slot, self.num_copied)
+
+
+@attrs.frozen
+class DropStream:
+    """``slot``'s stream and sampler go: a sequence left, or retained KV is evicted."""
+
+    slot: int
+
+    def apply(self, backend: Any) -> None:
+        backend.free_sequence(self.slot)
+
+
+@attrs.frozen
+class MoveStream:
+    """``num_tokens`` of KV move from ``src`` to the free ``dst``: retained KV out of the
+    way, or (``running``) a running sequence with its sampler, closing a hole."""
+
+    src: int
+    dst: int
+    num_tokens: int
+    running: bool = False
+
+    def apply(self, backend: Any) -> None:
+        if self.running:
+            backend.move_sequence(self.src, self.dst, self.num_tokens)
+        else:
+            backend.share_prefix(self.src, self.dst, self.num_tokens)
+            backend.free_sequence(self.src)
+
+
+class RetainedSlots:
+    """Slots holding finished sequences' KV, with its tokens, least recently used first."""
+
+    def __init__(self) -> None:
+        self._entries: collections.OrderedDict[int, list[int]] = collections.OrderedDict()
+
+    def __contains__(self, slot: int) -> bool:
+        return slot in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def retain(self, slot: int, tokens: list[int]) -> None:
+        self._entries[slot] = tokens
+
+    def take(self, slot: int) -> list[int]:
+        return self._entries.pop(slot)
+
+    def num_tokens(self, slot: int) -> int:
+        return len(self._entries[slot])
+
+    def touch(self, slot: int) -> None:
+        """Mark a retained slot as just used, so it is evicted last."""
+        self._entries.move_to_end(slot)
+
+    def slots(self) -> list[int]:
+        return list(self._entries)
+
+    def entries(self) -> Iterable[tuple[int, list[int]]]:
+        return self._entries.items()
+
+
+class StreamsKVCache(KVCache):
+    """Slots of llama.cpp KV streams for running and retained sequences (module docstring)."""
+
+    layout = "streams"
+
+    def __init__(self, num_tokens: int, max_num_seqs: int, prefix_caching: bool = True,
+                 block_size: int = BLOCK_SIZE) -> None:
+        super().__init__(num_tokens, max_num_seqs, prefix_caching, block_size)
+        self.num_slots = max_num_seqs
+        self._free_slots = list(range(self.num_slots - 1, -1, -1))
+        self.prefix = RetainedSlots()
+        self._retained_blocks: dict[int, int] = {}  # slot -> blocks its retained KV holds
+        self._slot: dict[int, int] = {}  # running sequence id -> its slot
+        self._blocks: dict[int, int] = {}  # running sequence id -> blocks reserved
+        self._waiting: Seq[Sequence] = ()
+        self._running: Seq[Sequence] = ()
+        # Close holes in the block of running slots (backends with supports_moving).
+        self.compaction = False
+
+    def allocate(self, backend: Any) -> None:
+        super().allocate(backend)
+        self.compaction = bool(getattr(backend, "supports_moving", False))
+
+    def bind(self, waiting: Seq[Sequence], running: Seq[Sequence]) -> None:
+        self._waiting, self._running = waiting, running
+
+    # -- counts -------------------------------------------------------------------------
+
+    @property
+    def num_used_blocks(self) -> int:
+        return sum(self._blocks.values())
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return sum(self._retained_blocks.values())
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.num_blocks - self.num_used_blocks - self.num_cached_blocks
+
+    def handle(self, seq: Sequence) -> int:
+        return self._slot[seq.seq_id]
+
+    def slot_of(self, seq: Sequence) -> int | None:
+        """The slot ``seq`` runs in, or None."""
+        return self._slot.get(seq.seq_id)
+
+    # -- admission and finishing ----------------------------------------------------------
+
+    def can_admit(self, seq: Sequence) -> bool:
+        """Whether the sequence fits now, counting retained KV as room (it can be evicted)."""
+        slots = len(self._free_slots) + len(self.prefix)
+        blocks = self.num_free_blocks + self.num_cached_blocks
+        return slots > 0 and self.blocks_for(seq.max_total_tokens) <= blocks
+
+    def admit(self, seq: Sequence) -> None:
+        """Give the sequence a slot and its worst case of cache, reusing a known prefix."""
+        match = self._best_prefix(seq)
+        need = self.blocks_for(seq.max_total_tokens)
+        while need > self.num_free_blocks:
+            victim = self.prefix.slots()[0]
+            if match is not None and victim == match[0]:
+                match = None  # the prefix's source itself has to make room
+            self._evict(victim)
+        source = match[0] if match is not None and match[0] in self.prefix else None
+        slot = self._pick_slot(source, lossless=source is not None and match is not None
+                               and match[1] >= self.prefix.num_tokens(source))
+        n = match[1] if match is not None else 0
+        if slot == source:  # taken over: its KV is the prefix
+            self._drop_retained(source)
+            self._ops.append(StartStream(slot, seq.params, keep_tokens=n))
+        else:
+            if source is not None:
+                self.prefix.touch(source)  # copied from: it stays cached, as just used
+            copy_from = match[0] if match is not None else None
+            self._ops.append(StartStream(slot, seq.params, copy_from=copy_from, num_copied=n))
+        seq.num_computed = seq.num_cached_tokens = n
+        self._slot[seq.seq_id] = slot
+        self._blocks[seq.seq_id] = need
+
+    def finish(self, seq: Sequence, retain: bool) -> None:
+        """A running sequence left: with ``retain`` (and prefix caching on) its computed KV
+        stays in its slot for later prompts, else the backend drops its stream."""
+        slot = self._slot.pop(seq.seq_id)
+        del self._blocks[seq.seq_id]
+        kept = retain and self.prefix_caching and seq.num_computed > 0 \
+            and self._retain(slot, seq.computed_token_ids, seq.num_prompt_tokens)
+        if not kept:
+            self._free_slots.append(slot)
+            self._ops.append(DropStream(slot))
+
+    def _retain(self, slot: int, tokens: list[int], num_prompt_tokens: int) -> bool:
+        """Keep a finished sequence's KV unless another retained slot already holds it.
+
+        A retained slot that holds a prefix of ``tokens``, or the same prompt with another
+        answer, is dropped instead: a question asked again would otherwise fill every slot
+        with copies of itself.
+        """
+        for other, held in list(self.prefix.entries()):
+            shared = common_prefix_len(tokens, held)
+            if shared == len(tokens):  # already cached, in full
+                self.prefix.touch(other)
+                return False
+            if shared == len(held) or shared >= num_prompt_tokens:
+                self._evict(other)
+        self._retained_blocks[slot] = self.blocks_for(len(tokens))  # fits: just freed
+        self.prefix.retain(slot, tokens)
+        return True
+
+    def before_step(self) -> None:
+        self._compact()
+
+    # -- placement ------------------------------------------------------------------------
+
+    def _running_slots(self) -> set[int]:
+        return set(self._slot.values())
+
+    def _pick_slot(self, source: int | None, lossless: bool) -> int:
+        """A free or retained slot for a new sequence, next to running ones where possible.
+
+        The choice goes to the slot with the most running neighbours first. Then: ``source``
+        (the retained slot holding this prompt's prefix) when taking it over loses nothing,
+        a free slot, ``source`` when its KV holds more than the prefix (the rest is lost),
+        and last any other retained slot, least recently used first; the lowest number
+        breaks ties. A retained slot that is taken loses its KV, unless a waiting sequence
+        would reuse it: then the KV moves to a slot away from the block (a free one, else
+        the least recently used one nobody waits for), or, with no such slot, the slot is
+        taken only when nothing else is left.
+        """
+        running = self._running_slots()
+        age = {slot: i for i, slot in enumerate(self.prefix.slots())}
+        wanted = self._wanted_by_waiting() if age and self._waiting else set()
+
+        def preference(slot: int) -> tuple[bool, int, int, int, int]:
+            neighbours = (slot - 1 in running) + (slot + 1 in running)
+            if slot == source:
+                rank = 3 if lossless else 1
+            else:
+                rank = 0 if slot in age else 2
+            return slot not in kept, neighbours, rank, -age.get(slot, 0), -slot
+
+        kept: set[int] = set()
+        candidates = [*self._free_slots, *age]
+        slot = max(candidates, key=preference)
+        if slot in wanted and slot != source:
+            to = self._move_target(exclude={slot, source}, wanted=wanted, running=running)
+            if to is None:  # nowhere to move it: keep it, if anything else is left
+                kept = wanted - {source}
+                slot = max(candidates, key=preference)
+            else:
+                self._move(slot, to)
+                return slot
+        if slot != source:
+            if slot in age:
+                self._evict(slot)
+            self._free_slots.remove(slot)
+        return slot
+
+    def _move_target(self, exclude: set[int | None], wanted: set[int],
+                     running: set[int]) -> int | None:
+        """Where to move retained KV out of the way: a free slot with the fewest running
+        neighbours (the highest number on a tie), else the least recently used retained slot
+        that no waiting sequence wants (evicted)."""
+        free = [s for s in self._free_slots if s not in exclude]
+        if free:
+            return min(free, key=lambda s: ((s - 1 in running) + (s + 1 in running), -s))
+        for slot in self.prefix.slots():
+            if slot not in exclude and slot not in wanted:
+                self._evict(slot)
+                return slot
+        return None
+
+    def _move(self, slot: int, to: int) -> None:
+        """Move a retained slot's KV to the free slot ``to``; ``slot`` is then in use."""
+        tokens = self.prefix.take(slot)
+        self._free_slots.remove(to)
+        self._retained_blocks[to] = self._retained_blocks.pop(slot)
+        self.prefix.retain(to, tokens)
+        self._ops.append(MoveStream(slot, to, len(tokens)))
+
+    def _compact(self) -> None:
+        """Close the lowest hole in the block of running slots with the highest running one.
+
+        Only when nothing waits (an admission fills holes for free), at most once a step (a
+        move copies the sequence's KV), and never for a sequence still prefilling. Retained
+        KV in the hole moves away first, as in ``_pick_slot``.
+        """
+        if not self.compaction or self._waiting or len(self._slot) < 2:
+            return
+        running = self._running_slots()
+        low, high = min(running), max(running)
+        if high - low + 1 == len(running):
+            return
+        seq = next(s for s in self._running if self._slot[s.seq_id] == high)
+        hole = next(h for h in range(low, high) if h not in running)
+        if seq.is_prefilling:
+            return
+        if hole in self.prefix:
+            to = self._move_target(exclude={hole}, wanted=set(), running=running)
+            if to is None:
+                return
+            self._move(hole, to)
+        else:
+            self._free_slots.remove(hole)
+        self._free_slots.append(high)
+        self._ops.append(MoveStream(high, hole, seq.num_computed, running=True))
+        self._slot[seq.seq_id] = hole
+
+    def _wanted_by_waiting(self) -> set[int]:
+        """Retained slots whose KV a waiting sequence would reuse: evicted last.
+
+        Only the sequences next in line count (as many as can run at once): a long queue
+        must not make every admission slow.
+        """
+        wanted = set()
+        for seq in itertools.islice(self._waiting, self.num_slots):
+            if seq.num_prompt_tokens > MIN_REUSE_TOKENS and not seq.scores_prompt:
+                match = best_match(seq.prompt_token_ids, self.prefix.entries())
+                if match is not None:
+                    wanted.add(match[0])
+        return wanted
+
+    def _evict(self, slot: int) -> None:
+        """Drop a retained slot's KV (the backend drops its stream) and free the slot."""
+        self._drop_retained(slot)
+        self._free_slots.append(slot)
+        self._ops.append(DropStream(slot))
+
+    def _drop_retained(self, slot: int) -> None:
+        self.prefix.take(slot)
+        del self._retained_blocks[slot]
+
+    def _best_prefix(self, seq: Sequence) -> tuple[int, int] | None:
+        if seq.num_prompt_tokens <= MIN_REUSE_TOKENS or not max_reuse_tokens(
+                seq, self.prefix_caching):
+            return None  # too short to reuse anything, or it needs every position's logits
+        live = ((self._slot[s.seq_id], s.computed_token_ids)
+                for s in self._running if s.num_computed and s.seq_id in self._slot)
+        return best_match(seq.prompt_token_ids, itertools.chain(self.prefix.entries(), live))
