@@ -2,6 +2,7 @@
 
     python tools/benchmark_rounds.py --rounds 3 --concurrency 1,8 \\
         --laya defaults --laya 'two-threads:{"n_threads": 2}' \\
+        --laya before@/path/to/old-checkout/.venv/bin/python \\
         --llama-server /path/to/llama-server --busy 0
 
 These machines drift 10-15% from minute to minute, so a ratio between two servers is only
@@ -88,13 +89,17 @@ class Server:
 
 
 def laya_server(spec: str, workdir: Path) -> Server:
+    """``NAME[:OPTIONS_JSON][@PYTHON]``: PYTHON is another install's interpreter (a checkout of
+    an older commit with its own venv), to compare two versions of Laya in the same rounds."""
+    head, _, python = spec.rpartition("@")
+    spec, python = (head, python) if head and python.startswith("/") else (spec, "")
     name, _, options = spec.partition(":")
     table = json.loads(options) if options else {}
     port = _free_port()
     manifest = workdir / f"{name}.toml"
     manifest.write_text(LAYA_MANIFEST.format(port=port, options="\n".join(
         f"{k} = {_toml_value(v)}" for k, v in table.items())))
-    argv = [sys.executable, "-m", "laya_core.cli", "serve", str(manifest)]
+    argv = [python or sys.executable, "-m", "laya_core.cli", "serve", str(manifest)]
     return Server(name, argv, "/ready", port)
 
 
@@ -160,8 +165,9 @@ def summarize(runs: list[dict[str, Any]], baseline: str) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--laya", action="append", default=[], metavar="NAME[:OPTIONS_JSON]",
-                   help="a Laya server with these [models.options]; repeat to compare several")
+    p.add_argument("--laya", action="append", default=[], metavar="NAME[:OPTIONS_JSON][@PYTHON]",
+                   help="a Laya server with these [models.options], run by PYTHON (default: "
+                   "this interpreter's install); repeat to compare several")
     p.add_argument("--llama-server", metavar="PATH", help="llama.cpp's server binary")
     p.add_argument("--llama-server-args", default="--parallel 16 -c 16384")
     p.add_argument("--rounds", type=int, default=3)
