@@ -27,6 +27,20 @@ class StreamsToy(ToyBackend):
     def allocate_kv(self, *, num_tokens: int, max_num_seqs: int) -> None:
         self.num_tokens, self.max_num_seqs = num_tokens, max_num_seqs
         self.fed: dict[int, list[int]] = {}
+        self.saved_kv_tokens = self.config.options.get("saved_kv_tokens", num_tokens // 4)
+        self.saved: dict[int, list[int]] = {}
+
+    def save_stream(self, slot: int, key: int) -> None:
+        assert key not in self.saved
+        self.saved[key] = list(self.fed[slot])
+
+    def restore_stream(self, key: int, slot: int, num_tokens: int) -> None:
+        assert not self.fed.get(slot), f"slot {slot} is in use"
+        assert len(self.saved[key]) >= num_tokens, "restoring KV that was not saved"
+        self.fed[slot] = self.saved.pop(key)[:num_tokens]
+
+    def forget_saved(self, key: int) -> None:
+        del self.saved[key]
 
     def start_sequence(self, slot: int, params: SamplingParams,  # type: ignore[override]
                        keep_tokens: int = 0) -> None:

@@ -200,3 +200,50 @@ def test_a_running_sequence_moved_to_another_slot_continues_exactly() -> None:
         assert run(move_after=6) == run(move_after=None)
     finally:
         b.close()
+
+
+@pytest.mark.parametrize("kv_unified", [False, True])
+def test_saved_kv_restored_into_another_slot_continues_exactly(kv_unified: bool) -> None:
+    """An evicted stream's KV saved to host memory (save_stream) and restored into another
+    slot (restore_stream) continues as a fresh prefill does: tokens and log-probabilities
+    bit for bit, with flash attention off. The state is the KV plus 16 bytes a cell, as the
+    memory plan counts it."""
+    from laya_core.backend import ModelConfig, StepItem
+    from laya_core.builtin.model_paths import embedded_file
+    from laya_backend_llamacpp.backend import _SAVED_CELL_BYTES, LlamaCppBackend
+
+    config = ModelConfig(name="m", backend="llamacpp", path=embedded_file("smollm2-135m-instruct"),
+                         max_seq_len=512, max_num_seqs=4,
+                         options={"kv_unified": kv_unified, "n_threads": 1, "flash_attn": False})
+    b = LlamaCppBackend(config)
+    b.load_weights()
+    b.allocate_cache(n_ctx=2048, max_num_seqs=4)
+    assert b.saved_kv_tokens == 512  # a quarter of the pool
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)
+    prompt = b.tokenize(SYSTEM[:300] + " Question: what is a prime number?", add_special=True)
+
+    def generate(slot: int, fed: list[int], start: int, n: int = 8) -> list[object]:
+        out: list[object] = []
+        for _ in range(n):
+            sample = b.step([StepItem(slot, fed, start, True)])[0].sample
+            assert sample is not None
+            out.append(sample)
+            start, fed = start + len(fed), [sample.token_id]
+        return out
+
+    try:
+        b.start_sequence(1, greedy)
+        generate(1, prompt, 0, n=3)  # slot 1 holds the prompt and part of an answer
+        b.save_stream(1, key=5)
+        per_token = 2 * 30 * 3 * 64 * 2  # f16 K and V, 30 layers, 3 KV heads of 64
+        assert len(b._saved[5]) <= (len(prompt) + 2) * (per_token + _SAVED_CELL_BYTES) + 4096
+        b.free_sequence(1)
+        b.start_sequence(2, greedy)
+        b.restore_stream(5, 2, len(prompt) - 2)
+        restored = generate(2, prompt[-2:], len(prompt) - 2)
+        b.free_sequence(2)
+        b.start_sequence(0, greedy)
+        assert restored == generate(0, prompt, 0)
+        b.forget_saved(5)  # already restored: nothing left, and no error
+    finally:
+        b.close()

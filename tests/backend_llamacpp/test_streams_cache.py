@@ -6,7 +6,14 @@ from __future__ import annotations
 import asyncio
 import random
 
-from laya_backend_llamacpp.streams import DropStream, MoveStream, StartStream, StreamsKVCache
+from laya_backend_llamacpp.streams import (
+    DropStream,
+    ForgetSaved,
+    MoveStream,
+    SaveStream,
+    StartStream,
+    StreamsKVCache,
+)
 from streams_toy import started_streams_engine
 
 from laya_core.engine import Engine
@@ -210,6 +217,34 @@ def test_a_hole_in_the_running_block_is_closed_when_nothing_waits() -> None:
     assert s.schedule().ops == ()  # one block again
 
 
+def test_evicted_streams_are_saved_and_restored_so_more_conversations_stay_cached() -> None:
+    s = scheduler(1, 512, 4096)
+    kv = kv_of(s)
+    kv.saved_capacity = 110  # tokens of host memory
+    first = seq(1, list(range(1000, 1040)))
+    assert finish_after(s, first, [7, 8])  # 41 tokens of KV in slot 0
+    second = seq(2, list(range(2000, 2040)))
+    s.add(second)
+    assert run_to_end(s) == (SaveStream(0, 0), DropStream(0), StartStream(0, second.params))
+    s.finish(second, retain=True)
+    back = seq(3, [*range(1000, 1040), 7, 8, 5, 6])  # the first conversation, one turn on
+    s.add(back)
+    assert s.schedule().ops == (SaveStream(0, 1), DropStream(0),
+                                StartStream(0, back.params, num_copied=41, restore=0))
+    assert back.num_cached_tokens == 41 and list(kv.saved) == [1]  # restored: not saved
+    third, fourth = (seq(i, list(range(1000 * i, 1000 * i + 60))) for i in (4, 5))
+    s.finish(back, retain=True)
+    s.add(third)
+    s.add(fourth)
+    run_to_end(s)  # third in slot 0: back's 41 tokens are saved beside second's 40
+    assert kv.num_saved_tokens == 81
+    s.finish(third, retain=True)
+    # fourth evicts third's 60 tokens: the least recently saved (second's) makes room
+    assert s.schedule().ops == (ForgetSaved(1), SaveStream(0, 3), DropStream(0),
+                                StartStream(0, fourth.params))
+    assert kv.num_saved_tokens == 101 and list(kv.saved) == [2, 3]
+
+
 def recorded(engine: Engine) -> list[KVOp]:
     """Keep every op the engine takes from its cache policy."""
     seen: list[KVOp] = []
@@ -299,3 +334,30 @@ def test_the_engine_closes_a_hole_and_the_moved_stream_stays_exact() -> None:
     assert moved and (moved[0].src, moved[0].dst) == (3, 1)
     assert outputs == [bytes(p[i % len(p)] for i in range(len(p), len(p) + n)).decode()
                        for p, n in zip(prompts, limits, strict=True)]
+
+
+def test_more_conversations_than_slots_all_reuse_their_kv_when_revisited() -> None:
+    """Issue 13's measurement on the streams toy: 12 conversations on 4 slots, then each
+    again one turn on; every revisit finds its conversation (saved or in a stream), and the
+    toy's exact output shows the restored KV is the conversation's."""
+    engine = started_streams_engine(max_seq_len=512, max_num_seqs=4,
+                                    options={"saved_kv_tokens": 2048})
+    rng = random.Random(3)
+    system = b"system: you are a helpful assistant. "  # shared: a short match in every slot
+    chats = [system + bytes(rng.randrange(32, 127) for _ in range(120)) for _ in range(12)]
+
+    async def ask(prompt: bytes, n: int) -> tuple[str, int]:
+        events = [e async for e in engine.submit(list(prompt), SamplingParams(max_tokens=n))]
+        usage = events[-1].usage
+        assert usage is not None
+        return "".join(e.text for e in events), usage.cached_tokens
+
+    firsts = [asyncio.run(ask(c, 8))[0] for c in chats]
+    revisits = [asyncio.run(ask(c + a.encode() + b" and then?", 8))
+                for c, a in zip(chats, firsts, strict=True)]
+    engine.stop()
+    for chat, first, (text, cached) in zip(chats, firsts, revisits, strict=True):
+        prompt = chat + first.encode() + b" and then?"
+        assert text.encode() == bytes(prompt[p % len(prompt)]
+                                               for p in range(len(prompt), len(prompt) + 8))
+        assert cached >= len(chat), "a revisit prefilled its conversation again"

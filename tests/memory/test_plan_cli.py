@@ -68,9 +68,10 @@ def test_plan_text_uses_binary_units_and_fits_the_embedded_model() -> None:
 
 
 def test_serve_refuses_with_numbers_and_settings_that_fit(tmp_path: Path) -> None:
-    # 1.2 GiB for the model, 64 MiB for the chat-template sandbox the runtime counts, and
-    # 30 MiB for the logits of scored prompt rows.
-    out = laya("serve", str(smol_manifest(tmp_path, "1322.8MiB", "max_num_seqs = 8\n")))
+    # 1.2 GiB for the model, 64 MiB for the chat-template sandbox the runtime counts,
+    # 30 MiB for the logits of scored prompt rows, and 225 MiB of saved KV (a quarter of
+    # the 40,960-token pool the suggestions below keep).
+    out = laya("serve", str(smol_manifest(tmp_path, "1548MiB", "max_num_seqs = 8\n")))
     assert out.returncode == 1
     assert "refusing to start" in out.stderr and "DOES NOT FIT" in out.stderr
     assert "1.41 GiB" in out.stderr  # the KV pool: 8 x 8192 x 22.5 KiB

@@ -24,7 +24,8 @@ host = "127.0.0.1"
 port = {port}
 
 [memory]
-budget = "384MiB"  # room for the same KV pool as before the 64 MiB template sandbox
+# room for the same KV pool as before the 64 MiB template sandbox and 11 MiB of saved KV
+budget = "396MiB"
 
 [[models]]
 name = "smollm2"

@@ -40,6 +40,8 @@ _LOAD_MODE = {True: 1, False: 0}  # use_mmap -> llama_load_mode: MMAP, NONE
 _MAX_THREADS = 512  # GGML_MAX_N_THREADS
 _KV_CELL_ALIGN = 256  # llama.cpp pads each KV stream to this many cells
 _VOCAB_BYTES_PER_TOKEN = 512
+# llama_state_seq_get_data writes each cell's position and sequence ids besides its K and V.
+_SAVED_CELL_BYTES = 16
 # Prompt rows scored per numpy pass: the pass holds two float64 copies of the block
 # (2 x 8 x vocab x 8 B, 6 MiB for 49,152 tokens), counted in the memory profile.
 _SCORE_BLOCK_ROWS = 8
@@ -59,6 +61,15 @@ def _llama() -> Any:
     import llama_cpp
 
     return llama_cpp
+
+
+def saved_kv_tokens(config: ModelConfig, n_ctx: int) -> int:
+    """Tokens of evicted streams' KV kept in host memory for later prompts: the option, or a
+    quarter of the pool. A stream holds one sequence, so without these only as many
+    conversations as slots stay cached; with them, 12 conversations of 330 tokens revisited
+    on 4 slots all reuse their KV (tools/measure_prefix_reuse.py)."""
+    value = config.options.get("saved_kv_tokens")
+    return n_ctx // 4 if value is None else int(value)
 
 
 def kv_layout(config: ModelConfig, n_ctx: int, num_seqs: int) -> tuple[bool, int]:
@@ -86,7 +97,8 @@ class LlamaCppBackend(Backend):
     physical core, fewer while other work holds them, see ``threads.py``; or a number),
     ``repack`` and ``use_mmap`` (``"auto"``, true or false; see ``cpu.choose_repack`` and
     ``cpu.choose_mmap``), ``kv_unified`` (default: a KV stream per slot when the pool
-    allows, see ``kv_layout``), ``flash_attn`` (``"auto"``, true or false; default "auto").
+    allows, see ``kv_layout``), ``flash_attn`` (``"auto"``, true or false; default "auto"),
+    ``saved_kv_tokens`` (evicted streams' KV kept in host memory; see ``saved_kv_tokens``).
     """
 
     name = "llamacpp"
@@ -97,7 +109,8 @@ class LlamaCppBackend(Backend):
     # Whether a running sequence can change slots (move_sequence): set at allocation, where
     # each slot has a stream of its own and consecutive slots run as one forward pass.
     supports_moving = False
-    option_names = frozenset({"n_threads", "repack", "use_mmap", "flash_attn", "kv_unified"})
+    option_names = frozenset({"n_threads", "repack", "use_mmap", "flash_attn", "kv_unified",
+                              "saved_kv_tokens"})
 
     @classmethod
     def check_option(cls, name: str, value: object) -> str | None:
@@ -106,6 +119,9 @@ class LlamaCppBackend(Backend):
             ok = value == "auto" or (type(value) is int and 1 <= value <= _MAX_THREADS)
             return None if ok else \
                 f'must be "auto" or a whole number from 1 to {_MAX_THREADS}, not {value!r}'
+        if name == "saved_kv_tokens":
+            ok = type(value) is int and value >= 0
+            return None if ok else f"must be a whole number of tokens, 0 or more, not {value!r}"
         if name in ("repack", "flash_attn", "use_mmap"):
             ok = value == "auto" or isinstance(value, bool)
             return None if ok else f'must be "auto", true or false, not {value!r}'
@@ -137,6 +153,7 @@ class LlamaCppBackend(Backend):
         pool = config.kv_cache_tokens or 0
         per_token = kv_bytes_per_token(shape, config.kv_cache_dtype)
         unified, cells = kv_layout(config, pool, seqs)
+        saved = saved_kv_tokens(config, pool)
         compute = step * (shape.vocab_size + 2 * shape.hidden_size) * 4
         how = f"{step} step tokens x (vocab {shape.vocab_size} + 2 x hidden) x 4 B"
         if config.options.get("flash_attn", "auto") is False:
@@ -153,6 +170,10 @@ class LlamaCppBackend(Backend):
                 Overhead("logits buffer", shape.vocab_size * seqs * 4,
                          f"vocab x {seqs} sequences x 4 B"),
                 _prompt_logits(shape.vocab_size, scored_tokens_per_step(step)),
+                Overhead("saved KV", saved * (per_token + _SAVED_CELL_BYTES),
+                         f"{saved} tokens of evicted streams' KV kept "
+                         f"in host memory (saved_kv_tokens) x (KV per token + "
+                         f"{_SAVED_CELL_BYTES} B)"),
                 Overhead("vocabulary", shape.vocab_size * _VOCAB_BYTES_PER_TOKEN,
                          f"{_VOCAB_BYTES_PER_TOKEN} B per token (measured: about 20 MiB for "
                          "49,152 tokens)"),
@@ -252,6 +273,8 @@ class LlamaCppBackend(Backend):
         self._batch = ll.llama_batch_init(self.config.max_step_tokens, 0, 1)
         self._samplers: dict[int, Any] = {}
         self._params: dict[int, SamplingParams] = {}
+        self.saved_kv_tokens = saved_kv_tokens(self.config, n_ctx)
+        self._saved: dict[int, Any] = {}  # key -> a stream's state (ctypes bytes)
 
     def describe(self) -> dict[str, Any]:
         # Python state only: this runs on other threads, even while the context is freed.
@@ -400,6 +423,26 @@ class LlamaCppBackend(Backend):
         self._ll.llama_memory_seq_rm(self._mem, src_slot, -1, -1)
         self._samplers[dst_slot] = self._samplers.pop(src_slot)
         self._params[dst_slot] = self._params.pop(src_slot)
+
+    def save_stream(self, slot: int, key: int) -> None:
+        """Copy ``slot``'s KV to host memory as ``key`` (llama_state_seq_get_data)."""
+        ll = self._ll
+        size = ll.llama_state_seq_get_size(self._ctx, slot)
+        buf = (ctypes.c_uint8 * size)()
+        if ll.llama_state_seq_get_data(self._ctx, buf, size, slot) != size:
+            raise RuntimeError(f"llama.cpp could not save the KV of slot {slot}")
+        self._saved[key] = buf
+
+    def restore_stream(self, key: int, slot: int, num_tokens: int) -> None:
+        """Put saved KV ``key`` into the empty ``slot`` and keep its first ``num_tokens``;
+        the bytes are llama.cpp's own, so the KV is what a fresh prefill computed."""
+        buf = self._saved.pop(key)
+        if not self._ll.llama_state_seq_set_data(self._ctx, buf, len(buf), slot):
+            raise RuntimeError(f"llama.cpp could not restore saved KV into slot {slot}")
+        self._ll.llama_memory_seq_rm(self._mem, slot, num_tokens, -1)
+
+    def forget_saved(self, key: int) -> None:
+        self._saved.pop(key, None)
 
     def free_sequence(self, slot: int) -> None:
         self._ll.llama_memory_seq_rm(self._mem, slot, -1, -1)

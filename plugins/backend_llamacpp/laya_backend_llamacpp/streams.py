@@ -45,11 +45,14 @@ class StartStream:
     keep_tokens: int = 0
     copy_from: int | None = None
     num_copied: int = 0
+    restore: int | None = None  # or: its first num_copied tokens come from saved KV
 
     def apply(self, backend: Any) -> None:
         backend.start_sequence(self.slot, self.params, keep_tokens=self.keep_tokens)
         if self.copy_from is not None:
             backend.share_prefix(self.copy_from, self.slot, self.num_copied)
+        elif self.restore is not None:
+            backend.restore_stream(self.restore, self.slot, self.num_copied)
 
 
 @attrs.frozen
@@ -60,6 +63,27 @@ class DropStream:
 
     def apply(self, backend: Any) -> None:
         backend.free_sequence(self.slot)
+
+
+@attrs.frozen
+class SaveStream:
+    """``slot``'s KV is copied to host memory as ``key`` (before the slot is dropped)."""
+
+    slot: int
+    key: int
+
+    def apply(self, backend: Any) -> None:
+        backend.save_stream(self.slot, self.key)
+
+
+@attrs.frozen
+class ForgetSaved:
+    """Saved KV ``key`` is given up, to make room for newer."""
+
+    key: int
+
+    def apply(self, backend: Any) -> None:
+        backend.forget_saved(self.key)
 
 
 @attrs.frozen
@@ -130,10 +154,17 @@ class StreamsKVCache(KVCache):
         self._running: Seq[Sequence] = ()
         # Close holes in the block of running slots (backends with supports_moving).
         self.compaction = False
+        # Evicted streams' KV kept in host memory (backends with saved_kv_tokens), by key,
+        # least recently saved first; at most saved_capacity tokens in all.
+        self.saved: collections.OrderedDict[int, list[int]] = collections.OrderedDict()
+        self.saved_capacity = 0
+        self.num_saved_tokens = 0
+        self._keys = itertools.count()
 
     def allocate(self, backend: Any) -> None:
         super().allocate(backend)
         self.compaction = bool(getattr(backend, "supports_moving", False))
+        self.saved_capacity = int(getattr(backend, "saved_kv_tokens", 0))
 
     def bind(self, waiting: Seq[Sequence], running: Seq[Sequence]) -> None:
         self._waiting, self._running = waiting, running
@@ -169,7 +200,11 @@ class StreamsKVCache(KVCache):
 
     def admit(self, seq: Sequence) -> None:
         """Give the sequence a slot and its worst case of cache, reusing a known prefix."""
-        match = self._best_prefix(seq)
+        match, saved = self._best_prefix(seq)
+        restore = None
+        if saved is not None and (match is None or saved[1] > match[1]):
+            match, restore = None, saved
+            self._take_saved(saved[0])  # before evictions below could forget it
         need = self.blocks_for(seq.max_total_tokens)
         while need > self.num_free_blocks:
             victim = self.prefix.slots()[0]
@@ -179,9 +214,13 @@ class StreamsKVCache(KVCache):
         source = match[0] if match is not None and match[0] in self.prefix else None
         slot = self._pick_slot(source, lossless=source is not None and match is not None
                                and match[1] >= self.prefix.num_tokens(source))
-        n = match[1] if match is not None else 0
-        if slot == source:  # taken over: its KV is the prefix
-            self._drop_retained(source)
+        n = match[1] if match is not None else restore[1] if restore is not None else 0
+        if restore is not None:
+            self._ops.append(StartStream(slot, seq.params, num_copied=n, restore=restore[0]))
+        elif slot == source:  # taken over: its KV is the prefix
+            held = self._drop_retained(source)
+            if n < len(held):  # the rest would be lost: save it first
+                self._save(source, held)
             self._ops.append(StartStream(slot, seq.params, keep_tokens=n))
         else:
             if source is not None:
@@ -216,7 +255,7 @@ class StreamsKVCache(KVCache):
                 self.prefix.touch(other)
                 return False
             if shared == len(held) or shared >= num_prompt_tokens:
-                self._evict(other)
+                self._evict(other, save=False)
         self._retained_blocks[slot] = self.blocks_for(len(tokens))  # fits: just freed
         self.prefix.retain(slot, tokens)
         return True
@@ -334,20 +373,54 @@ class StreamsKVCache(KVCache):
                     wanted.add(match[0])
         return wanted
 
-    def _evict(self, slot: int) -> None:
-        """Drop a retained slot's KV (the backend drops its stream) and free the slot."""
-        self._drop_retained(slot)
+    def _evict(self, slot: int, save: bool = True) -> None:
+        """Drop a retained slot's KV (the backend drops its stream) and free the slot; with
+        ``save``, the KV is kept in host memory first, where there is room for it."""
+        tokens = self._drop_retained(slot)
+        if save:
+            self._save(slot, tokens)
         self._free_slots.append(slot)
         self._ops.append(DropStream(slot))
 
-    def _drop_retained(self, slot: int) -> None:
-        self.prefix.take(slot)
+    def _drop_retained(self, slot: int) -> list[int]:
         del self._retained_blocks[slot]
+        return self.prefix.take(slot)
 
-    def _best_prefix(self, seq: Sequence) -> tuple[int, int] | None:
+    def _save(self, slot: int, tokens: list[int]) -> None:
+        """Copy an evicted stream's KV to host memory, forgetting the least recently saved
+        KV to make room; a saved text that this one holds in full is forgotten too."""
+        if not MIN_REUSE_TOKENS < len(tokens) <= self.saved_capacity:
+            return
+        for key, held in list(self.saved.items()):
+            shared = common_prefix_len(tokens, held)
+            if shared == len(tokens):  # already saved, in full
+                return
+            if shared == len(held):
+                self._forget(key)
+        while self.num_saved_tokens + len(tokens) > self.saved_capacity:
+            self._forget(next(iter(self.saved)))
+        key = next(self._keys)
+        self.saved[key] = tokens
+        self.num_saved_tokens += len(tokens)
+        self._ops.append(SaveStream(slot, key))
+
+    def _take_saved(self, key: int) -> None:
+        """Saved KV about to be restored: it leaves the host cache (its stream holds it)."""
+        self.num_saved_tokens -= len(self.saved.pop(key))
+
+    def _forget(self, key: int) -> None:
+        self._take_saved(key)
+        self._ops.append(ForgetSaved(key))
+
+    def _best_prefix(self, seq: Sequence) -> tuple[tuple[int, int] | None,
+                                                   tuple[int, int] | None]:
+        """The longest prefix of ``seq``'s prompt held by a stream (slot, tokens), and by
+        saved KV (key, tokens)."""
         if seq.num_prompt_tokens <= MIN_REUSE_TOKENS or not max_reuse_tokens(
                 seq, self.prefix_caching):
-            return None  # too short to reuse anything, or it needs every position's logits
+            return None, None  # too short to reuse, or it needs every position's logits
         live = ((self._slot[s.seq_id], s.computed_token_ids)
                 for s in self._running if s.num_computed and s.seq_id in self._slot)
-        return best_match(seq.prompt_token_ids, itertools.chain(self.prefix.entries(), live))
+        prompt = seq.prompt_token_ids
+        return (best_match(prompt, itertools.chain(self.prefix.entries(), live)),
+                best_match(prompt, self.saved.items()))
