@@ -210,7 +210,8 @@ def test_saved_kv_restored_into_another_slot_continues_exactly(kv_unified: bool)
     memory plan counts it."""
     from laya_core.backend import ModelConfig, StepItem
     from laya_core.builtin.model_paths import embedded_file
-    from laya_backend_llamacpp.backend import _SAVED_CELL_BYTES, LlamaCppBackend
+    from laya_backend_llamacpp.backend import LlamaCppBackend
+    from laya_backend_llamacpp.memory import SAVED_CELL_BYTES
 
     config = ModelConfig(name="m", backend="llamacpp", path=embedded_file("smollm2-135m-instruct"),
                          max_seq_len=512, max_num_seqs=4,
@@ -236,7 +237,7 @@ def test_saved_kv_restored_into_another_slot_continues_exactly(kv_unified: bool)
         generate(1, prompt, 0, n=3)  # slot 1 holds the prompt and part of an answer
         b.save_stream(1, key=5)
         per_token = 2 * 30 * 3 * 64 * 2  # f16 K and V, 30 layers, 3 KV heads of 64
-        assert len(b._saved[5]) <= (len(prompt) + 2) * (per_token + _SAVED_CELL_BYTES) + 4096
+        assert len(b._saved[5]) <= (len(prompt) + 2) * (per_token + SAVED_CELL_BYTES) + 4096
         b.free_sequence(1)
         b.start_sequence(2, greedy)
         b.restore_stream(5, 2, len(prompt) - 2)

@@ -6,14 +6,14 @@ from __future__ import annotations
 import asyncio
 import random
 
-from laya_backend_llamacpp.streams import (
+from laya_backend_llamacpp.stream_ops import (
     DropStream,
     ForgetSaved,
     MoveStream,
     SaveStream,
     StartStream,
-    StreamsKVCache,
 )
+from laya_backend_llamacpp.streams import StreamsKVCache
 from streams_toy import started_streams_engine
 
 from laya_core.engine import Engine

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -19,17 +18,13 @@ import numpy as np
 from laya_core.allowed_tokens import NO_TOKEN_ALLOWED
 from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem, StepResult
 from laya_core.kv_dtypes import KV_DTYPE_NAMES
-from laya_core.memory_plan import (
-    MemoryProfile,
-    Overhead,
-    kv_bytes_per_token,
-    scored_tokens_per_step,
-)
+from laya_core.memory_plan import MemoryProfile
 from laya_core.model_files import ModelShape, read_shape
 from laya_core.types import Sample, SamplingParams
 
-from laya_backend_llamacpp import cpu, sampling
+from laya_backend_llamacpp import cpu, memory, sampling
 from laya_backend_llamacpp.llama_log import LLAMA_LOG, weight_buffers
+from laya_backend_llamacpp.memory import SCORE_BLOCK_ROWS, kv_layout, saved_kv_tokens
 from laya_backend_llamacpp.threads import ThreadGovernor
 from laya_backend_llamacpp.tokenizer import LlamaTokenizer
 
@@ -38,56 +33,13 @@ log = logging.getLogger(__name__)
 _FLASH_ATTN = {"auto": -1, False: 0, True: 1}  # llama_flash_attn_type
 _LOAD_MODE = {True: 1, False: 0}  # use_mmap -> llama_load_mode: MMAP, NONE
 _MAX_THREADS = 512  # GGML_MAX_N_THREADS
-_KV_CELL_ALIGN = 256  # llama.cpp pads each KV stream to this many cells
-_VOCAB_BYTES_PER_TOKEN = 512
-# llama_state_seq_get_data writes each cell's position and sequence ids besides its K and V.
-_SAVED_CELL_BYTES = 16
-# Prompt rows scored per numpy pass: the pass holds two float64 copies of the block
-# (2 x 8 x vocab x 8 B, 6 MiB for 49,152 tokens), counted in the memory profile.
-_SCORE_BLOCK_ROWS = 8
 _GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}  # enum ggml_type
-
-
-def _prompt_logits(vocab_size: int, num_rows: int) -> Overhead:
-    """llama.cpp's output buffer grows to hold every row asked for logits (it never shrinks),
-    so the prompt rows one step may score are planned, with the scratch that scores them."""
-    scratch = 2 * _SCORE_BLOCK_ROWS * vocab_size * 8
-    return Overhead("prompt logits", vocab_size * num_rows * 4 + scratch,
-                    f"vocab x {num_rows} scored prompt rows per step x 4 B, + 2 x "
-                    f"{_SCORE_BLOCK_ROWS} rows x vocab x 8 B to score them")
 
 
 def _llama() -> Any:
     import llama_cpp
 
     return llama_cpp
-
-
-def saved_kv_tokens(config: ModelConfig, n_ctx: int) -> int:
-    """Tokens of evicted streams' KV kept in host memory for later prompts: the option, or a
-    quarter of the pool. A stream holds one sequence, so without these only as many
-    conversations as slots stay cached; with them, 12 conversations of 330 tokens revisited
-    on 4 slots all reuse their KV (tools/measure_prefix_reuse.py)."""
-    value = config.options.get("saved_kv_tokens")
-    return n_ctx // 4 if value is None else int(value)
-
-
-def kv_layout(config: ModelConfig, n_ctx: int, num_seqs: int) -> tuple[bool, int]:
-    """Whether the slots share one KV buffer, and the cells llama.cpp will allocate.
-
-    Each slot gets a KV stream of its own whenever the pool holds max_seq_len for every slot
-    (the default): attention then runs over that sequence's cells alone, so a sequence's
-    output does not depend on what shares its batch (measured: 16 staggered greedy requests,
-    3 diverged from their solo runs within 24 tokens with one shared buffer, none with
-    streams). A pool smaller than that (kv_cache_tokens) must be shared. llama.cpp rounds
-    each stream up to a multiple of 256 cells.
-    """
-    unified = config.options.get("kv_unified")
-    if unified is None:
-        unified = config.max_seq_len is not None and n_ctx < config.max_seq_len * num_seqs
-    streams = 1 if unified else num_seqs
-    per_stream = math.ceil(math.ceil(n_ctx / streams) / _KV_CELL_ALIGN) * _KV_CELL_ALIGN
-    return bool(unified), per_stream * streams
 
 
 class LlamaCppBackend(Backend):
@@ -142,42 +94,7 @@ class LlamaCppBackend(Backend):
 
     @classmethod
     def memory_profile(cls, config: ModelConfig, shape: ModelShape) -> MemoryProfile:
-        """llama.cpp's buffers, as its allocator sizes them on the CPU.
-
-        Checked against llama.cpp's own report for SmolLM2-135M: with flash attention (what
-        "auto" picks on the CPU) the compute buffer is n_ubatch x (vocab + 2 x hidden) x 4 B,
-        98.25 MiB at n_ubatch 512; without it, the attention scores add up to
-        n_ubatch x n_ctx x heads x 4 B (326 MiB at n_ctx 16384), counted here in full.
-        """
-        step, seqs = config.max_step_tokens, config.max_num_seqs or 1
-        pool = config.kv_cache_tokens or 0
-        per_token = kv_bytes_per_token(shape, config.kv_cache_dtype)
-        unified, cells = kv_layout(config, pool, seqs)
-        saved = saved_kv_tokens(config, pool)
-        compute = step * (shape.vocab_size + 2 * shape.hidden_size) * 4
-        how = f"{step} step tokens x (vocab {shape.vocab_size} + 2 x hidden) x 4 B"
-        if config.options.get("flash_attn", "auto") is False:
-            compute += step * (config.kv_cache_tokens or 0) * shape.n_heads * 4
-            how += " + attention scores (flash attention off)"
-        return MemoryProfile(
-            weights_bytes=shape.weights_bytes, weights_source=shape.weights_source,
-            kv_bytes_per_token=per_token, kv_dtype=config.kv_cache_dtype,
-            overheads=(
-                Overhead("compute buffer", compute, how),
-                Overhead("KV padding", (cells - pool) * per_token,
-                         f"{cells} cells in {'one buffer' if unified else f'{seqs} streams'}: "
-                         f"llama.cpp rounds each to {_KV_CELL_ALIGN}"),
-                Overhead("logits buffer", shape.vocab_size * seqs * 4,
-                         f"vocab x {seqs} sequences x 4 B"),
-                _prompt_logits(shape.vocab_size, scored_tokens_per_step(step)),
-                Overhead("saved KV", saved * (per_token + _SAVED_CELL_BYTES),
-                         f"{saved} tokens of evicted streams' KV kept "
-                         f"in host memory (saved_kv_tokens) x (KV per token + "
-                         f"{_SAVED_CELL_BYTES} B)"),
-                Overhead("vocabulary", shape.vocab_size * _VOCAB_BYTES_PER_TOKEN,
-                         f"{_VOCAB_BYTES_PER_TOKEN} B per token (measured: about 20 MiB for "
-                         "49,152 tokens)"),
-            ))
+        return memory.memory_profile(config, shape)
 
     _model: Any = None
     _ctx: Any = None
@@ -372,10 +289,10 @@ class LlamaCppBackend(Backend):
     def _score(self, item: StepItem, first_row: int) -> tuple[Sample, ...]:
         """The scores of ``item.score_targets``, from rows ``first_row ..`` of the batch."""
         targets = item.score_targets
-        block = np.empty((min(_SCORE_BLOCK_ROWS, len(targets)), self._n_vocab), np.float64)
+        block = np.empty((min(SCORE_BLOCK_ROWS, len(targets)), self._n_vocab), np.float64)
         out: list[Sample] = []
-        for start in range(0, len(targets), _SCORE_BLOCK_ROWS):
-            part = targets[start:start + _SCORE_BLOCK_ROWS]
+        for start in range(0, len(targets), SCORE_BLOCK_ROWS):
+            part = targets[start:start + SCORE_BLOCK_ROWS]
             for k in range(len(part)):
                 block[k] = np.ctypeslib.as_array(
                     self._ll.llama_get_logits_ith(self._ctx, first_row + start + k),

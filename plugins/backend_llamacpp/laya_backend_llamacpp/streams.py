@@ -17,6 +17,10 @@ the step's ``llama_decode``, so a copy always reads the KV it was planned from.
   running sequence is found. A retained slot whose KV is all prefix is taken over;
   otherwise the prefix is copied and the cached text stays for the prompt it answered.
   KV that a waiting request will reuse is moved out of the way rather than dropped.
+- **Saved KV.** A slot holds one sequence, so slots alone keep ``max_num_seqs``
+  conversations at most. An evicted stream's KV is first saved to host memory, up to the
+  backend's ``saved_kv_tokens`` (planned), least recently saved forgotten first; a prompt
+  whose longest known beginning is saved gets it back into its new slot.
 """
 
 from __future__ import annotations
@@ -27,81 +31,18 @@ from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from typing import Any
 
-import attrs
 from laya_core.kv_cache import KVCache, max_reuse_tokens
 from laya_core.kv_manager import BLOCK_SIZE
 from laya_core.prefix_cache import MIN_REUSE_TOKENS, best_match, common_prefix_len
 from laya_core.sequence import Sequence
-from laya_core.types import SamplingParams
 
-
-@attrs.frozen
-class StartStream:
-    """A new sequence in ``slot``: its sampler; its stream keeps the first ``keep_tokens``
-    positions (a retained slot taken over), or gets ``num_copied`` from ``copy_from``."""
-
-    slot: int
-    params: SamplingParams
-    keep_tokens: int = 0
-    copy_from: int | None = None
-    num_copied: int = 0
-    restore: int | None = None  # or: its first num_copied tokens come from saved KV
-
-    def apply(self, backend: Any) -> None:
-        backend.start_sequence(self.slot, self.params, keep_tokens=self.keep_tokens)
-        if self.copy_from is not None:
-            backend.share_prefix(self.copy_from, self.slot, self.num_copied)
-        elif self.restore is not None:
-            backend.restore_stream(self.restore, self.slot, self.num_copied)
-
-
-@attrs.frozen
-class DropStream:
-    """``slot``'s stream and sampler go: a sequence left, or retained KV is evicted."""
-
-    slot: int
-
-    def apply(self, backend: Any) -> None:
-        backend.free_sequence(self.slot)
-
-
-@attrs.frozen
-class SaveStream:
-    """``slot``'s KV is copied to host memory as ``key`` (before the slot is dropped)."""
-
-    slot: int
-    key: int
-
-    def apply(self, backend: Any) -> None:
-        backend.save_stream(self.slot, self.key)
-
-
-@attrs.frozen
-class ForgetSaved:
-    """Saved KV ``key`` is given up, to make room for newer."""
-
-    key: int
-
-    def apply(self, backend: Any) -> None:
-        backend.forget_saved(self.key)
-
-
-@attrs.frozen
-class MoveStream:
-    """``num_tokens`` of KV move from ``src`` to the free ``dst``: retained KV out of the
-    way, or (``running``) a running sequence with its sampler, closing a hole."""
-
-    src: int
-    dst: int
-    num_tokens: int
-    running: bool = False
-
-    def apply(self, backend: Any) -> None:
-        if self.running:
-            backend.move_sequence(self.src, self.dst, self.num_tokens)
-        else:
-            backend.share_prefix(self.src, self.dst, self.num_tokens)
-            backend.free_sequence(self.src)
+from laya_backend_llamacpp.stream_ops import (
+    DropStream,
+    ForgetSaved,
+    MoveStream,
+    SaveStream,
+    StartStream,
+)
 
 
 class RetainedSlots:

@@ -1,0 +1,99 @@
+"""What a llama.cpp replica costs, as llama.cpp's allocator sizes its buffers on the CPU, and
+how its KV pool is laid out (streams or one shared buffer); nothing here loads llama.cpp."""
+
+from __future__ import annotations
+
+import math
+
+from laya_core.backend import ModelConfig
+from laya_core.memory_plan import (
+    MemoryProfile,
+    Overhead,
+    kv_bytes_per_token,
+    scored_tokens_per_step,
+)
+from laya_core.model_files import ModelShape
+
+_KV_CELL_ALIGN = 256  # llama.cpp pads each KV stream to this many cells
+_VOCAB_BYTES_PER_TOKEN = 512
+# llama_state_seq_get_data writes each cell's position and sequence ids besides its K and V.
+SAVED_CELL_BYTES = 16
+# Prompt rows scored per numpy pass: the pass holds two float64 copies of the block
+# (2 x 8 x vocab x 8 B, 6 MiB for 49,152 tokens), counted in the memory profile.
+SCORE_BLOCK_ROWS = 8
+
+
+def _prompt_logits(vocab_size: int, num_rows: int) -> Overhead:
+    """llama.cpp's output buffer grows to hold every row asked for logits (it never shrinks),
+    so the prompt rows one step may score are planned, with the scratch that scores them."""
+    scratch = 2 * SCORE_BLOCK_ROWS * vocab_size * 8
+    return Overhead("prompt logits", vocab_size * num_rows * 4 + scratch,
+                    f"vocab x {num_rows} scored prompt rows per step x 4 B, + 2 x "
+                    f"{SCORE_BLOCK_ROWS} rows x vocab x 8 B to score them")
+
+
+def saved_kv_tokens(config: ModelConfig, n_ctx: int) -> int:
+    """Tokens of evicted streams' KV kept in host memory for later prompts: the option, or a
+    quarter of the pool. A stream holds one sequence, so without these only as many
+    conversations as slots stay cached; with them, 12 conversations of 330 tokens revisited
+    on 4 slots all reuse their KV (tools/measure_prefix_reuse.py)."""
+    value = config.options.get("saved_kv_tokens")
+    return n_ctx // 4 if value is None else int(value)
+
+
+def kv_layout(config: ModelConfig, n_ctx: int, num_seqs: int) -> tuple[bool, int]:
+    """Whether the slots share one KV buffer, and the cells llama.cpp will allocate.
+
+    Each slot gets a KV stream of its own whenever the pool holds max_seq_len for every slot
+    (the default): attention then runs over that sequence's cells alone, so a sequence's
+    output does not depend on what shares its batch (measured: 16 staggered greedy requests,
+    3 diverged from their solo runs within 24 tokens with one shared buffer, none with
+    streams). A pool smaller than that (kv_cache_tokens) must be shared. llama.cpp rounds
+    each stream up to a multiple of 256 cells.
+    """
+    unified = config.options.get("kv_unified")
+    if unified is None:
+        unified = config.max_seq_len is not None and n_ctx < config.max_seq_len * num_seqs
+    streams = 1 if unified else num_seqs
+    per_stream = math.ceil(math.ceil(n_ctx / streams) / _KV_CELL_ALIGN) * _KV_CELL_ALIGN
+    return bool(unified), per_stream * streams
+
+
+
+def memory_profile(config: ModelConfig, shape: ModelShape) -> MemoryProfile:
+    """llama.cpp's buffers, as its allocator sizes them on the CPU.
+
+    Checked against llama.cpp's own report for SmolLM2-135M: with flash attention (what
+    "auto" picks on the CPU) the compute buffer is n_ubatch x (vocab + 2 x hidden) x 4 B,
+    98.25 MiB at n_ubatch 512; without it, the attention scores add up to
+    n_ubatch x n_ctx x heads x 4 B (326 MiB at n_ctx 16384), counted here in full.
+    """
+    step, seqs = config.max_step_tokens, config.max_num_seqs or 1
+    pool = config.kv_cache_tokens or 0
+    per_token = kv_bytes_per_token(shape, config.kv_cache_dtype)
+    unified, cells = kv_layout(config, pool, seqs)
+    saved = saved_kv_tokens(config, pool)
+    compute = step * (shape.vocab_size + 2 * shape.hidden_size) * 4
+    how = f"{step} step tokens x (vocab {shape.vocab_size} + 2 x hidden) x 4 B"
+    if config.options.get("flash_attn", "auto") is False:
+        compute += step * (config.kv_cache_tokens or 0) * shape.n_heads * 4
+        how += " + attention scores (flash attention off)"
+    return MemoryProfile(
+        weights_bytes=shape.weights_bytes, weights_source=shape.weights_source,
+        kv_bytes_per_token=per_token, kv_dtype=config.kv_cache_dtype,
+        overheads=(
+            Overhead("compute buffer", compute, how),
+            Overhead("KV padding", (cells - pool) * per_token,
+                     f"{cells} cells in {'one buffer' if unified else f'{seqs} streams'}: "
+                     f"llama.cpp rounds each to {_KV_CELL_ALIGN}"),
+            Overhead("logits buffer", shape.vocab_size * seqs * 4,
+                     f"vocab x {seqs} sequences x 4 B"),
+            _prompt_logits(shape.vocab_size, scored_tokens_per_step(step)),
+            Overhead("saved KV", saved * (per_token + SAVED_CELL_BYTES),
+                     f"{saved} tokens of evicted streams' KV kept "
+                     f"in host memory (saved_kv_tokens) x (KV per token + "
+                     f"{SAVED_CELL_BYTES} B)"),
+            Overhead("vocabulary", shape.vocab_size * _VOCAB_BYTES_PER_TOKEN,
+                     f"{_VOCAB_BYTES_PER_TOKEN} B per token (measured: about 20 MiB for "
+                     "49,152 tokens)"),
+        ))
