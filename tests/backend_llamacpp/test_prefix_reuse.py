@@ -237,7 +237,7 @@ def test_saved_kv_restored_into_another_slot_continues_exactly(kv_unified: bool)
         generate(1, prompt, 0, n=3)  # slot 1 holds the prompt and part of an answer
         b.save_stream(1, key=5)
         per_token = 2 * 30 * 3 * 64 * 2  # f16 K and V, 30 layers, 3 KV heads of 64
-        assert len(b._saved[5]) <= (len(prompt) + 2) * (per_token + SAVED_CELL_BYTES) + 4096
+        assert b._saved[5].nbytes <= (len(prompt) + 2) * (per_token + SAVED_CELL_BYTES) + 4096
         b.free_sequence(1)
         b.start_sequence(2, greedy)
         b.restore_stream(5, 2, len(prompt) - 2)

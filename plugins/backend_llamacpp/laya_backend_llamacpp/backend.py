@@ -36,6 +36,10 @@ _MAX_THREADS = 512  # GGML_MAX_N_THREADS
 _GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}  # enum ggml_type
 
 
+def _u8(buf: np.ndarray) -> Any:
+    return buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+
+
 def _llama() -> Any:
     import llama_cpp
 
@@ -191,7 +195,7 @@ class LlamaCppBackend(Backend):
         self._samplers: dict[int, Any] = {}
         self._params: dict[int, SamplingParams] = {}
         self.saved_kv_tokens = saved_kv_tokens(self.config, n_ctx)
-        self._saved: dict[int, Any] = {}  # key -> a stream's state (ctypes bytes)
+        self._saved: dict[int, np.ndarray] = {}  # key -> a stream's state, as llama.cpp wrote it
 
     def describe(self) -> dict[str, Any]:
         # Python state only: this runs on other threads, even while the context is freed.
@@ -345,8 +349,8 @@ class LlamaCppBackend(Backend):
         """Copy ``slot``'s KV to host memory as ``key`` (llama_state_seq_get_data)."""
         ll = self._ll
         size = ll.llama_state_seq_get_size(self._ctx, slot)
-        buf = (ctypes.c_uint8 * size)()
-        if ll.llama_state_seq_get_data(self._ctx, buf, size, slot) != size:
+        buf = np.empty(size, np.uint8)  # not zero-filled: 0.85 ms for 500 tokens, 1.17 filled
+        if ll.llama_state_seq_get_data(self._ctx, _u8(buf), size, slot) != size:
             raise RuntimeError(f"llama.cpp could not save the KV of slot {slot}")
         self._saved[key] = buf
 
@@ -354,7 +358,7 @@ class LlamaCppBackend(Backend):
         """Put saved KV ``key`` into the empty ``slot`` and keep its first ``num_tokens``;
         the bytes are llama.cpp's own, so the KV is what a fresh prefill computed."""
         buf = self._saved.pop(key)
-        if not self._ll.llama_state_seq_set_data(self._ctx, buf, len(buf), slot):
+        if not self._ll.llama_state_seq_set_data(self._ctx, _u8(buf), buf.nbytes, slot):
             raise RuntimeError(f"llama.cpp could not restore saved KV into slot {slot}")
         self._ll.llama_memory_seq_rm(self._mem, slot, num_tokens, -1)
 
