@@ -73,7 +73,10 @@ class Server:
 
     def start(self, log: Path, timeout_s: float = 120.0) -> subprocess.Popen[bytes]:
         with log.open("wb") as out:
-            proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
+            # Run from the log's folder: `python -m` puts the working folder first on
+            # sys.path, and this checkout's laya_core must not shadow another install's.
+            proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
+                                    cwd=log.parent)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
