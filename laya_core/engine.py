@@ -16,18 +16,18 @@ import threading
 import time
 from collections.abc import Callable
 
-import attrs
 
 from laya_core.allowed_tokens import TokenConstraint
 from laya_core.backend import Backend, ModelConfig, ModelInfo
 from laya_core.detokenizer import IncrementalDetokenizer
 from laya_core.kv_cache import KVCache, KVOp
+from laya_core.live import Live
 from laya_core.memory_plan import scored_tokens_per_step, sizes_for
 from laya_core.scheduler import Scheduler, SchedulerConfig
 from laya_core.sequence import Sequence
 from laya_core.stream import ADMITTED, GenerationStream, deliver
 from laya_core.tokenizer import Tokenizer
-from laya_core.types import FinishReason, Sample, SamplingParams, Timing, TokenEvent, Usage
+from laya_core.types import FinishReason, Sample, SamplingParams, TokenEvent, Usage
 
 log = logging.getLogger(__name__)
 _IDLE_POLL_S = 0.5
@@ -55,21 +55,6 @@ class QueueFullError(RuntimeError):
     """As many requests wait for room as the queue holds."""
 
 
-@attrs.define(eq=False)
-class _Live:
-    """Engine-side state of a sequence besides its tokens: where its events go, its text."""
-
-    seq: Sequence
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[TokenEvent]
-    detokenizer: IncrementalDetokenizer
-    started: bool = False  # admitted and known to the backend
-    last_token_time: float = 0.0  # perf_counter seconds
-    token_gaps: list[float] = attrs.field(factory=list)  # seconds between successive tokens
-    # Prompt log-probabilities scored so far, sent with the first token.
-    prompt_logprobs: list[Sample] = attrs.field(factory=list)
-
-
 class Engine:
     """Drives one backend instance. Create, ``start()``, then ``submit`` from the asyncio loop."""
 
@@ -94,8 +79,8 @@ class Engine:
         self.scheduler: Scheduler | None = None
         # What the engine thread is asked: a request to add, a sequence id to cancel, or None
         # to stop.
-        self._inbox: queue.SimpleQueue[_Live | int | None] = queue.SimpleQueue()
-        self._live: dict[int, _Live] = {}
+        self._inbox: queue.SimpleQueue[Live | int | None] = queue.SimpleQueue()
+        self._live: dict[int, Live] = {}
         # Events of this step, by the event loop that reads them; see _flush.
         self._outbox: dict[asyncio.AbstractEventLoop,
                            list[tuple[asyncio.Queue[TokenEvent], TokenEvent]]] = {}
@@ -173,7 +158,7 @@ class Engine:
         seq = Sequence(next(self._ids), list(prompt_token_ids), params, constraint=constraint)
         stream = GenerationStream(seq.seq_id, seq.num_prompt_tokens, self.cancel)
         detok = IncrementalDetokenizer(self.tokenizer.token_bytes, params.stop)
-        self._inbox.put(_Live(seq, loop, stream.queue, detok))
+        self._inbox.put(Live(seq, loop, stream.queue, detok))
         return stream
 
     def cancel(self, seq_id: int) -> None:
@@ -269,7 +254,7 @@ class Engine:
             self._flush()
             self.backend.close()
 
-    def _emit(self, live: _Live, event: TokenEvent) -> None:
+    def _emit(self, live: Live, event: TokenEvent) -> None:
         self._outbox.setdefault(live.loop, []).append((live.queue, event))
 
     def _flush(self) -> None:
@@ -292,12 +277,12 @@ class Engine:
             block = False
             if payload is None:
                 return False
-            if isinstance(payload, _Live):
+            if isinstance(payload, Live):
                 self._add(payload)
             elif (live := self._live.get(payload)) is not None:
                 self._finish(live, FinishReason.CANCELLED, "")
 
-    def _add(self, live: _Live) -> None:
+    def _add(self, live: Live) -> None:
         assert self.scheduler is not None
         try:
             self.scheduler.add(live.seq)
@@ -308,7 +293,7 @@ class Engine:
             return
         self._live[live.seq.seq_id] = live
 
-    def _started(self, live: _Live) -> None:
+    def _started(self, live: Live) -> None:
         """``live``'s sequence is known to the backend now: count its prefix-cache lookup."""
         seq = live.seq
         live.started = True
@@ -386,39 +371,18 @@ class Engine:
         if not self.scheduler.has_work:
             self._flush()  # no next step to carry them
 
-    def _on_token(self, live: _Live, sample: Sample) -> None:
-        seq, token = live.seq, sample.token_id
-        samples = (sample,) if seq.params.logprobs is not None else ()
-        prompt: tuple[Sample, ...] = ()
-        if live.prompt_logprobs and not seq.output_token_ids:  # sent with the first token
-            prompt, live.prompt_logprobs = tuple(live.prompt_logprobs), []
-        seq.output_token_ids.append(token)
-        now = time.perf_counter()
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        else:
-            live.token_gaps.append(now - live.last_token_time)
-        live.last_token_time = now
+    def _on_token(self, live: Live, sample: Sample) -> None:
         assert self.info is not None
-        params = seq.params
-        finish: FinishReason | None = None
-        if (token in self.info.eog_token_ids and not params.ignore_eos) \
-                or token in params.stop_token_ids:
-            text, finish = live.detokenizer.flush(), FinishReason.STOP
+        out = live.add_token(sample, self.info.eog_token_ids, self.max_seq_len)
+        token = (sample.token_id,)
+        if out.finish is None:
+            self._emit(live, TokenEvent(out.text, token, samples=out.samples,
+                                        prompt_logprobs=out.prompt_logprobs))
         else:
-            text, stopped = live.detokenizer.add(token)
-            if stopped:
-                finish = FinishReason.STOP
-            elif len(seq.output_token_ids) >= params.max_tokens \
-                    or seq.num_tokens >= self.max_seq_len:
-                text, finish = text + live.detokenizer.flush(), FinishReason.LENGTH
-        if finish is None:
-            self._emit(live, TokenEvent(text, (token,), samples=samples, prompt_logprobs=prompt))
-        else:
-            self._finish(live, finish, text, token_ids=(token,), samples=samples,
-                         prompt_logprobs=prompt)
+            self._finish(live, out.finish, out.text, token_ids=token, samples=out.samples,
+                         prompt_logprobs=out.prompt_logprobs)
 
-    def _finish(self, live: _Live, reason: FinishReason, text: str, error: str | None = None,
+    def _finish(self, live: Live, reason: FinishReason, text: str, error: str | None = None,
                 token_ids: tuple[int, ...] = (), samples: tuple[Sample, ...] = (),
                 prompt_logprobs: tuple[Sample, ...] = ()) -> None:
         seq = live.seq
@@ -433,16 +397,9 @@ class Engine:
         if reason in self.finished:
             self.finished[reason] += 1
         del self._live[seq.seq_id]
-        timing = _timing(seq, live.token_gaps)
+        timing = live.timing()
         usage = Usage(seq.num_prompt_tokens, len(seq.output_token_ids),
                       seq.num_cached_tokens if live.started else 0)
         self._emit(live, TokenEvent(text, token_ids, reason, error, timing, samples=samples,
                                     prompt_logprobs=prompt_logprobs, usage=usage))
 
-
-def _timing(seq: Sequence, token_gaps: list[float]) -> Timing:
-    end = seq.finished_time or time.perf_counter()
-    admitted = seq.admitted_time or end
-    first = seq.first_token_time or end
-    return Timing(queue_s=admitted - seq.arrival_time, prefill_s=first - admitted,
-                  decode_s=end - first, token_gaps_s=tuple(token_gaps))
