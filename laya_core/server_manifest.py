@@ -127,7 +127,8 @@ def parse_server(data: Any, problems: Problems) -> ServerConfig:
     shutdown = t.get("shutdown_timeout_s", (int, float), 30.0,
                      check=lambda v: None if 0 <= v <= 3600 else "must be 0 to 3600 seconds")
     body_timeout = t.get("body_timeout_s", (int, float), 30.0,
-                         check=lambda v: None if 0.1 <= v <= 3600 else "must be 0.1 to 3600 seconds")
+                         check=lambda v: None if 0.1 <= v <= 3600 else
+                         "must be 0.1 to 3600 seconds")
     access_log = t.get("access_log", bool, True)
     cors = t.get("cors_origins", list, [])
     for i, origin in enumerate(cors):

@@ -127,3 +127,56 @@ def started_engine(**config: object) -> Engine:
     engine.start()
     assert engine.wait_ready(5)
     return engine
+
+
+def shared_prefix_workload(engine: Engine, count: int = 60, seed: int = 7) -> None:
+    """More requests than slots, sharing a system prompt and repeating questions, arriving
+    at random moments, so that the cache policy shares, reuses and evicts cached KV while
+    others run. The toy repeats its prompt, so any wrong KV shows in an output; every output
+    must be exact. Stops the engine."""
+    import asyncio
+    import random
+
+    system = b"system: answer in one short sentence, politely. "
+    questions = [b"user: why is the sky blue? ", b"user: name a prime. ",
+                 b"user: what is a cat? and a dog? ", b"user: count to three. ",
+                 b"user: where is Paris? ", b"user: say hi. "]
+    rng = random.Random(seed)
+    prompts = [system + rng.choice(questions) + b"assistant:" * rng.randint(0, 1)
+               for _ in range(count)]
+
+    def expected(prompt: bytes, n: int) -> str:
+        return bytes(prompt[p % len(prompt)] for p in range(len(prompt), len(prompt) + n)).decode()
+
+    async def one(prompt: bytes, n: int) -> str:
+        await asyncio.sleep(rng.random() * 0.05)
+        stream = engine.submit(list(prompt), SamplingParams(max_tokens=n))
+        return "".join([e.text async for e in stream])
+
+    async def all_of_them() -> list[str]:
+        return await asyncio.gather(*(one(p, 4 + i % 9) for i, p in enumerate(prompts)))
+
+    outputs = asyncio.run(all_of_them())
+    engine.stop()
+    assert outputs == [expected(p, 4 + i % 9) for i, p in enumerate(prompts)]
+
+
+def follow_up_conversation(engine: Engine) -> tuple[bytes, bytes]:
+    """Ask a question, then its follow-up with the answer in its history; both outputs must
+    be exact (the toy repeats its prompt: right only if the reused KV held the right tokens).
+    Returns the first prompt and the follow-up. Stops the engine."""
+    import asyncio
+
+    history = b"system: be brief. user: hello there, how are you today? "
+
+    async def ask(prompt: bytes, n: int) -> str:
+        stream = engine.submit(list(prompt), SamplingParams(max_tokens=n))
+        return "".join([e.text async for e in stream])
+
+    first = asyncio.run(ask(history, 8))
+    follow_up = history + b"assistant: " + first.encode() + b" user: and you?"
+    second = asyncio.run(ask(follow_up, len(follow_up)))
+    engine.stop()
+    assert first == history[:8].decode()
+    assert second == follow_up.decode()
+    return history, follow_up

@@ -29,15 +29,22 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def deployment() -> Iterator[Deployment]:
+def started_deployment(max_seq_len: int, max_num_seqs: int) -> Deployment:
+    """The embedded model in-process, one thread (no OpenMP team left on this thread)."""
     registry = load_registry()
     manifest = mf.resolve(mf.from_dict({"models": [{
         "name": "smollm2", "path": "embedded:smollm2-135m-instruct",
-        "max_seq_len": 512, "max_num_seqs": 4, "options": {"n_threads": 1}}]}), registry)
+        "max_seq_len": max_seq_len, "max_num_seqs": max_num_seqs,
+        "options": {"n_threads": 1}}]}), registry)
     d = Deployment(manifest, registry)
     d.start()
     assert d.wait_ready(60), d.engines[0].error
+    return d
+
+
+@pytest.fixture(scope="module")
+def deployment() -> Iterator[Deployment]:
+    d = started_deployment(512, 4)
     yield d
     d.stop()
 
@@ -95,13 +102,7 @@ def test_tokenizing_from_threads_while_decoding_matches_one_thread(
 
 
 def test_the_tokenizer_refuses_once_the_model_is_unloaded() -> None:
-    registry = load_registry()
-    manifest = mf.resolve(mf.from_dict({"models": [{
-        "name": "smollm2", "path": "embedded:smollm2-135m-instruct",
-        "max_seq_len": 128, "max_num_seqs": 1, "options": {"n_threads": 1}}]}), registry)
-    d = Deployment(manifest, registry)
-    d.start()
-    assert d.wait_ready(60), d.engines[0].error
+    d = started_deployment(128, 1)
     tok = d.clients[0].tokenizer()
     assert tok.encode("Hello", add_special=False)
     d.stop()

@@ -130,9 +130,10 @@ def test_a_running_sequence_lends_its_prefix(kv_unified: bool) -> None:
 def test_moved_kv_continues_exactly_as_before(kv_unified: bool) -> None:
     """The scheduler moves retained KV out of a slot (share, then free); a sequence that
     takes it over at its new slot continues as the original would have."""
+    from laya_backend_llamacpp.backend import LlamaCppBackend
+
     from laya_core.backend import ModelConfig, StepItem
     from laya_core.builtin.model_paths import embedded_file
-    from laya_backend_llamacpp.backend import LlamaCppBackend
 
     config = ModelConfig(name="m", backend="llamacpp", path=embedded_file("smollm2-135m-instruct"),
                          max_seq_len=512, max_num_seqs=4,
@@ -169,9 +170,10 @@ def test_moved_kv_continues_exactly_as_before(kv_unified: bool) -> None:
 def test_a_running_sequence_moved_to_another_slot_continues_exactly() -> None:
     """Compaction moves a running sequence mid-generation: its KV and its sampler (here a
     seeded draw, whose random state must move too) carry on as if nothing happened."""
+    from laya_backend_llamacpp.backend import LlamaCppBackend
+
     from laya_core.backend import ModelConfig, StepItem
     from laya_core.builtin.model_paths import embedded_file
-    from laya_backend_llamacpp.backend import LlamaCppBackend
 
     config = ModelConfig(name="m", backend="llamacpp", path=embedded_file("smollm2-135m-instruct"),
                          max_seq_len=512, max_num_seqs=4, options={"n_threads": 1})
@@ -208,10 +210,11 @@ def test_saved_kv_restored_into_another_slot_continues_exactly(kv_unified: bool)
     slot (restore_stream) continues as a fresh prefill does: tokens and log-probabilities
     bit for bit, with flash attention off. The state is the KV plus 16 bytes a cell, as the
     memory plan counts it."""
-    from laya_core.backend import ModelConfig, StepItem
-    from laya_core.builtin.model_paths import embedded_file
     from laya_backend_llamacpp.backend import LlamaCppBackend
     from laya_backend_llamacpp.memory import SAVED_CELL_BYTES
+
+    from laya_core.backend import ModelConfig, StepItem
+    from laya_core.builtin.model_paths import embedded_file
 
     config = ModelConfig(name="m", backend="llamacpp", path=embedded_file("smollm2-135m-instruct"),
                          max_seq_len=512, max_num_seqs=4,

@@ -15,6 +15,7 @@ from laya_backend_llamacpp.stream_ops import (
 )
 from laya_backend_llamacpp.streams import StreamsKVCache
 from streams_toy import started_streams_engine
+from toy_backend import follow_up_conversation, shared_prefix_workload
 
 from laya_core.engine import Engine
 from laya_core.kv_cache import KVOp
@@ -262,19 +263,7 @@ def recorded(engine: Engine) -> list[KVOp]:
 
 def test_engine_reuses_a_conversation_prefix() -> None:
     engine = started_streams_engine(max_seq_len=256, max_num_seqs=2)
-    history = b"system: be brief. user: hello there, how are you today? "
-
-    async def ask(prompt: bytes, n: int) -> str:
-        stream = engine.submit(list(prompt), SamplingParams(max_tokens=n))
-        return "".join([e.text async for e in stream])
-
-    first = asyncio.run(ask(history, 8))
-    follow_up = history + b"assistant: " + first.encode() + b" user: and you?"
-    second = asyncio.run(ask(follow_up, len(follow_up)))
-    engine.stop()
-    # The toy model repeats its prompt: right only if the reused KV held the right tokens.
-    assert first == history[:8].decode()
-    assert second == follow_up.decode()
+    history, _ = follow_up_conversation(engine)
     assert engine.prefix_hits == 1 and engine.prefix_tokens_reused == len(history)
 
 
@@ -285,28 +274,7 @@ def test_many_requests_sharing_prefixes_all_get_exact_outputs() -> None:
     engine = started_streams_engine(max_seq_len=256, max_num_seqs=4, max_step_tokens=48,
                                     options={"step_delay_s": 0.001})
     ops = recorded(engine)
-    system = b"system: answer in one short sentence, politely. "
-    questions = [b"user: why is the sky blue? ", b"user: name a prime. ",
-                 b"user: what is a cat? and a dog? ", b"user: count to three. ",
-                 b"user: where is Paris? ", b"user: say hi. "]
-    rng = random.Random(7)
-    prompts = [system + rng.choice(questions) + b"assistant:" * rng.randint(0, 1)
-               for _ in range(60)]
-
-    def expected(prompt: bytes, n: int) -> str:
-        return bytes(prompt[p % len(prompt)] for p in range(len(prompt), len(prompt) + n)).decode()
-
-    async def one(prompt: bytes, n: int) -> str:
-        await asyncio.sleep(rng.random() * 0.05)
-        stream = engine.submit(list(prompt), SamplingParams(max_tokens=n))
-        return "".join([e.text async for e in stream])
-
-    async def all_of_them() -> list[str]:
-        return await asyncio.gather(*(one(p, 4 + i % 9) for i, p in enumerate(prompts)))
-
-    outputs = asyncio.run(all_of_them())
-    engine.stop()
-    assert outputs == [expected(p, 4 + i % 9) for i, p in enumerate(prompts)]
+    shared_prefix_workload(engine)
     assert engine.prefix_hits > 40
     moves = [op for op in ops if isinstance(op, MoveStream)]
     print(f"\n{engine.prefix_hits} prefix hits, {len(moves)} moves")

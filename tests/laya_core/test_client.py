@@ -13,7 +13,6 @@ from toy_backend import END, ToyBackend, started_engine
 
 import laya_core.http
 from laya_core.backend import ModelConfig
-from laya_core.kv_cache import PagedKVCache
 from laya_core.client import (
     EngineState,
     EngineUnavailableError,
@@ -22,11 +21,11 @@ from laya_core.client import (
     RequestTooLongError,
 )
 from laya_core.engine import Engine
+from laya_core.kv_cache import PagedKVCache
 from laya_core.scheduler import FcfsScheduler
 from laya_core.sequence import Sequence
 from laya_core.stream import GenerationStream
 from laya_core.types import FinishReason, SamplingParams, TokenEvent, Usage
-
 
 
 def client(**config: object) -> LocalEngineClient:

@@ -10,8 +10,8 @@ from laya_core import manifest as mf
 from laya_core import planner
 from laya_core.backend import ModelInfo
 from laya_core.builtin.model_paths import embedded_file
-from laya_core.kv_cache import PagedKVCache
 from laya_core.engine import Engine
+from laya_core.kv_cache import PagedKVCache
 from laya_core.model_files import read_shape
 from laya_core.plugins import load_registry
 from laya_core.scheduler import FcfsScheduler

@@ -9,8 +9,8 @@ import pytest
 from toy_backend import ToyBackend, started_engine
 
 from laya_core.backend import ModelConfig
-from laya_core.kv_cache import PagedKVCache
 from laya_core.engine import Engine
+from laya_core.kv_cache import PagedKVCache
 from laya_core.memory_plan import MAX_SCORED_TOKENS_PER_STEP, scored_tokens_per_step
 from laya_core.scheduler import FcfsScheduler, SchedulerConfig
 from laya_core.sequence import Sequence
