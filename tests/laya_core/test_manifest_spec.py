@@ -58,7 +58,7 @@ def test_every_backend_option_is_documented() -> None:
 
 
 def test_every_flag_and_variable_is_documented() -> None:
-    from laya_core.cli import MODEL_ENV, SETTINGS
+    from laya_core.cli_settings import MODEL_ENV, SETTINGS
 
     text = SPEC.read_text(encoding="utf-8")
     for s in SETTINGS:
