@@ -218,7 +218,10 @@ def test_a_hole_in_the_running_block_is_closed_when_nothing_waits() -> None:
     assert s.schedule().ops == ()  # one block again
 
 
-def test_evicted_streams_are_saved_and_restored_so_more_conversations_stay_cached() -> None:
+def two_saved_and_a_third_retained() -> tuple[FcfsScheduler, StreamsKVCache, Sequence]:
+    """One slot and 110 tokens of host memory: conversations saved as they are evicted, one
+    restored; at the end 81 tokens are saved (keys 1 and 2) and slot 0 retains a third 60.
+    Returns the scheduler, its cache, and a fourth request that will evict the third."""
     s = scheduler(1, 512, 4096)
     kv = kv_of(s)
     kv.saved_capacity = 110  # tokens of host memory
@@ -240,10 +243,28 @@ def test_evicted_streams_are_saved_and_restored_so_more_conversations_stay_cache
     run_to_end(s)  # third in slot 0: back's 41 tokens are saved beside second's 40
     assert kv.num_saved_tokens == 81
     s.finish(third, retain=True)
+    return s, kv, fourth
+
+
+def test_evicted_streams_are_saved_and_restored_so_more_conversations_stay_cached() -> None:
+    s, kv, fourth = two_saved_and_a_third_retained()
     # fourth evicts third's 60 tokens: the least recently saved (second's) makes room
     assert s.schedule().ops == (ForgetSaved(1), SaveStream(0, 3), DropStream(0),
                                 StartStream(0, fourth.params))
     assert kv.num_saved_tokens == 101 and list(kv.saved) == [2, 3]
+
+
+def test_saved_kv_a_waiting_request_wants_is_forgotten_last() -> None:
+    s, kv, fourth = two_saved_and_a_third_retained()
+    second_again = seq(6, [*range(2000, 2040), 9, 9])  # waits behind fourth, wants key 1
+    s.add(second_again)
+    # Room for third's 60 tokens comes from back's saved KV (key 2), not second's.
+    assert s.schedule().ops == (ForgetSaved(2), SaveStream(0, 3), DropStream(0),
+                                StartStream(0, fourth.params))
+    assert list(kv.saved) == [1, 3]
+    s.finish(fourth, retain=True)
+    run_to_end(s)
+    assert second_again.num_cached_tokens == 40  # restored from host memory
 
 
 def recorded(engine: Engine) -> list[KVOp]:

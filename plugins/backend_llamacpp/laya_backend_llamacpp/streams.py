@@ -301,15 +301,18 @@ class StreamsKVCache(KVCache):
         self._slot[seq.seq_id] = hole
 
     def _wanted_by_waiting(self) -> set[int]:
-        """Retained slots whose KV a waiting sequence would reuse: evicted last.
+        """Retained slots whose KV a waiting sequence would reuse: evicted last."""
+        return self._wanted(self.prefix.entries())
 
-        Only the sequences next in line count (as many as can run at once): a long queue
-        must not make every admission slow.
-        """
+    def _wanted(self, entries: Iterable[tuple[int, list[int]]]) -> set[int]:
+        """The keys of ``entries`` (retained slots, or saved KV) that a waiting sequence
+        would reuse. Only the sequences next in line count (as many as can run at once): a
+        long queue must not make every admission slow."""
+        candidates = list(entries)
         wanted = set()
         for seq in itertools.islice(self._waiting, self.num_slots):
             if seq.num_prompt_tokens > MIN_REUSE_TOKENS and not seq.scores_prompt:
-                match = best_match(seq.prompt_token_ids, self.prefix.entries())
+                match = best_match(seq.prompt_token_ids, candidates)
                 if match is not None:
                     wanted.add(match[0])
         return wanted
@@ -328,18 +331,33 @@ class StreamsKVCache(KVCache):
         return self.prefix.take(slot)
 
     def _save(self, slot: int, tokens: list[int]) -> None:
-        """Copy an evicted stream's KV to host memory, forgetting the least recently saved
-        KV to make room; a saved text that this one holds in full is forgotten too."""
+        """Copy an evicted stream's KV to host memory. Saved texts this one holds in full
+        are forgotten, then the least recently saved KV that no waiting request would
+        restore, until there is room; when only wanted KV is left, this one is not saved
+        (what is saved serves requests waiting now, this one none yet)."""
         if not MIN_REUSE_TOKENS < len(tokens) <= self.saved_capacity:
             return
-        for key, held in list(self.saved.items()):
+        victims = []
+        for key, held in self.saved.items():
             shared = common_prefix_len(tokens, held)
             if shared == len(tokens):  # already saved, in full
                 return
             if shared == len(held):
-                self._forget(key)
-        while self.num_saved_tokens + len(tokens) > self.saved_capacity:
-            self._forget(next(iter(self.saved)))
+                victims.append(key)
+        room = self.saved_capacity - self.num_saved_tokens
+        room += sum(len(self.saved[key]) for key in victims)
+        if room < len(tokens):
+            wanted = self._wanted(self.saved.items())
+            for key, held in self.saved.items():
+                if room >= len(tokens):
+                    break
+                if key not in wanted and key not in victims:
+                    victims.append(key)
+                    room += len(held)
+        if room < len(tokens):
+            return
+        for key in victims:
+            self._forget(key)
         key = next(self._keys)
         self.saved[key] = tokens
         self.num_saved_tokens += len(tokens)
