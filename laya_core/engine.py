@@ -141,7 +141,7 @@ class Engine:
         self.check_request(len(prompt_token_ids), params.max_tokens)
         with self._lock:
             # max_queue = 0: nothing waits; a request runs at the next step or is refused
-            # (_refuse_waiting), so no more than a batch may be on its way in.
+            # (_reject), so no more than a batch may be on its way in.
             limit = self.config.max_queue or (
                 self.scheduler.config.max_num_seqs if self.scheduler else 1)
             if self._num_queued >= limit:
@@ -311,32 +311,25 @@ class Engine:
         for op in ops:
             op.apply(self.backend)
 
-    def _expire_waiting(self) -> None:
-        """Refuse requests that waited for room longer than queue_timeout_s."""
-        assert self.scheduler is not None
-        deadline = time.perf_counter() - self.config.queue_timeout_s
-        for seq in [s for s in self.scheduler.waiting if s.arrival_time < deadline]:
+    def _reject(self, seqs: list[Sequence], reason: str, why: str) -> None:
+        """Refuse waiting requests: those that waited past queue_timeout_s (503), or with
+        max_queue = 0 those the step could not admit (429)."""
+        for seq in seqs:
             with self._lock:
-                self.rejections["queue_timeout"] += 1
-            self._finish(self._live[seq.seq_id], FinishReason.REJECTED, "",
-                         f"waited {self.config.queue_timeout_s:g} s for room in the KV cache")
-
-    def _refuse_waiting(self) -> None:
-        """With max_queue = 0, what the step could not admit is refused (429), not queued."""
-        assert self.scheduler is not None
-        for seq in list(self.scheduler.waiting):
-            with self._lock:
-                self.rejections["queue_full"] += 1
-            self._finish(self._live[seq.seq_id], FinishReason.REJECTED, "",
-                         "no room is free now and max_queue is 0")
+                self.rejections[reason] += 1
+            self._finish(self._live[seq.seq_id], FinishReason.REJECTED, "", why)
 
     def _step(self) -> None:
         assert self.scheduler is not None
         if self.scheduler.waiting:
-            self._expire_waiting()
+            deadline = time.perf_counter() - self.config.queue_timeout_s
+            self._reject([s for s in self.scheduler.waiting if s.arrival_time < deadline],
+                         "queue_timeout", f"waited {self.config.queue_timeout_s:g} s for "
+                         "room in the KV cache")
         plan = self.scheduler.schedule()
         if self.config.max_queue == 0 and self.scheduler.waiting:
-            self._refuse_waiting()
+            self._reject(list(self.scheduler.waiting), "queue_full",
+                         "no room is free now and max_queue is 0")
         self._apply(plan.ops)
         for seq in self.scheduler.running:
             if not (live := self._live[seq.seq_id]).started:
