@@ -309,7 +309,21 @@ class Engine:
 
     def _apply(self, ops: tuple[KVOp, ...]) -> None:
         for op in ops:
-            op.apply(self.backend)
+            try:
+                op.apply(self.backend)
+            except Exception as e:  # noqa: BLE001 - fail the sequences it concerns, go on
+                self._op_failed(op, e)
+
+    def _op_failed(self, op: KVOp, e: Exception) -> None:
+        """The backend could not apply ``op``: the cache policy forgets what it was to make,
+        and the running sequences whose KV it was to prepare fail; the others go on."""
+        log.exception("the backend could not apply %r", op)
+        assert self.scheduler is not None
+        kv = self.scheduler.kv
+        handles = set(kv.op_failed(op))
+        why = f"the backend could not prepare this request's KV cache: {type(e).__name__}: {e}"
+        for seq in [s for s in self.scheduler.running if kv.handle(s) in handles]:
+            self._finish(self._live[seq.seq_id], FinishReason.ERROR, "", why)
 
     def _reject(self, seqs: list[Sequence], reason: str, why: str) -> None:
         """Refuse waiting requests: those that waited past queue_timeout_s (503), or with
@@ -334,11 +348,12 @@ class Engine:
         for seq in self.scheduler.running:
             if not (live := self._live[seq.seq_id]).started:
                 self._started(live)
-        chunks = plan.chunks
+        # A chunk's sequence is gone when an op it needed failed (``_op_failed``).
+        chunks = [c for c in plan.chunks if c.seq.seq_id in self._live]
         if not chunks:
             self._flush()
             return
-        items = plan.items()
+        items = [c.item() for c in chunks]
         # The previous step's tokens and this step's admissions go out just before the model
         # runs: the model call releases the GIL, so the event loop formats and sends them
         # while it runs instead of holding the GIL between two steps (measured at concurrency

@@ -119,6 +119,13 @@ class KVCache(abc.ABC):
     def computed(self, seq: Sequence) -> None:  # noqa: B027 - optional
         """``seq.num_computed`` grew: its new KV exists."""
 
+    def op_failed(self, op: KVOp) -> tuple[int, ...]:
+        """The backend raised while applying ``op``, one of this policy's. Forget what the op
+        was to make, and return the handles of the running sequences whose KV it was to
+        prepare: the engine fails those and the step goes on without them. By default a
+        failed ``StartSequence`` fails its sequence and other ops concern no one."""
+        return (op.seq_id,) if isinstance(op, StartSequence) else ()
+
     def block_table(self, seq: Sequence) -> tuple[int, ...]:
         """The blocks of ``seq``, for paged backends; () for other layouts."""
         return ()

@@ -350,3 +350,63 @@ def test_more_conversations_than_slots_all_reuse_their_kv_when_revisited() -> No
         assert text.encode() == bytes(prompt[p % len(prompt)]
                                                for p in range(len(prompt), len(prompt) + 8))
         assert cached >= len(chat), "a revisit prefilled its conversation again"
+
+
+def test_saved_kv_only_a_waiting_request_wants_is_kept_and_the_evicted_is_not_saved() -> None:
+    s, kv, fourth = two_saved_and_a_third_retained()
+    kv.saved_capacity = 90  # room for third's 60 tokens only by forgetting both saved
+    second_again = seq(6, [*range(2000, 2040), 9, 9])  # waits behind fourth, wants key 1
+    s.add(second_again)
+    assert s.schedule().ops == (DropStream(0), StartStream(0, fourth.params))
+    assert list(kv.saved) == [1, 2] and kv.num_saved_tokens == 81
+    s.finish(fourth, retain=True)
+    run_to_end(s)
+    assert second_again.num_cached_tokens == 40
+
+
+class Refusing:
+    """Makes one of a streams toy's methods raise, the given number of times."""
+
+    def __init__(self, engine: Engine, method: str, times: int = 1) -> None:
+        self.real = getattr(engine.backend, method)
+        self.left = times
+        setattr(engine.backend, method, self)
+
+    def __call__(self, *args: object) -> None:
+        if self.left:
+            self.left -= 1
+            raise MemoryError("no host memory left")
+        self.real(*args)
+
+
+def ask_streams(engine: Engine, prompt: bytes, n: int = 6) -> tuple[str, int, str | None]:
+    """The text, cached tokens and error of one request; the text is checked against the
+    toy's rule (it repeats its prompt) unless the request failed."""
+    async def go() -> list:
+        return [e async for e in engine.submit(list(prompt), SamplingParams(max_tokens=n))]
+
+    events = asyncio.run(go())
+    text, last = "".join(e.text for e in events), events[-1]
+    if last.error is None:
+        expected = bytes(prompt[p % len(prompt)] for p in range(len(prompt), len(prompt) + n))
+        assert text.encode() == expected
+    return text, last.usage.cached_tokens if last.usage else 0, last.error
+
+
+def test_a_failed_save_is_forgotten_and_a_failed_restore_fails_only_its_request() -> None:
+    engine = started_streams_engine(max_seq_len=256, max_num_seqs=1,
+                                    options={"saved_kv_tokens": 1024})
+    kv = engine.scheduler.kv  # type: ignore[union-attr]
+    first, second = (bytes(range(65 + i, 65 + i + 40)) for i in (0, 20))
+    ask_streams(engine, first)
+    Refusing(engine, "save_stream")
+    assert ask_streams(engine, second)[2] is None  # evicting first: its save fails
+    assert not kv.saved
+    assert ask_streams(engine, first + b" again")[1] == 0  # prefilled, not restored
+    assert list(kv.saved) == [1]  # second's KV, saved when this one took the slot
+    Refusing(engine, "restore_stream")
+    _, _, error = ask_streams(engine, second + b" again")
+    assert error is not None and "no host memory left" in error
+    assert ask_streams(engine, second + b" once more")[2] is None
+    assert engine.state.name == "READY" and engine.kv_usage == 0.0
+    engine.stop()

@@ -89,6 +89,39 @@ def test_a_failing_step_fails_its_sequences_and_the_engine_goes_on() -> None:
     e.stop()
 
 
+def test_a_kv_op_that_fails_fails_its_sequence_and_the_others_go_on() -> None:
+    """A backend that raises while starting one sequence (its sampler could not be built):
+    that request ends with an error naming the cause, the one beside it in the same step is
+    exact, and the engine serves the next."""
+    e = engine(max_num_seqs=4, options={"step_delay_s": 0.002})
+    backend = e.backend
+    real_start = backend.start_sequence
+
+    def start(seq_id: int, params: SamplingParams) -> None:
+        if params.seed == 13:
+            raise MemoryError("no room for the sampler")
+        real_start(seq_id, params)
+
+    backend.start_sequence = start  # type: ignore[method-assign]
+
+    async def text(prompt: bytes, seed: int | None = None) -> tuple[str, FinishReason | None,
+                                                                     str | None]:
+        events = [ev async for ev in e.submit(list(prompt),
+                                              SamplingParams(max_tokens=4, seed=seed))]
+        return "".join(ev.text for ev in events), events[-1].finish_reason, events[-1].error
+
+    async def go() -> list[tuple[str, FinishReason | None, str | None]]:
+        return list(await asyncio.gather(text(b"abc"), text(b"xyz", seed=13)))
+
+    (ok, ok_reason, _), (_, reason, error) = asyncio.run(go())
+    assert (ok, ok_reason) == ("abca", FinishReason.LENGTH)
+    assert reason is FinishReason.ERROR and error is not None
+    assert "KV cache" in error and "no room for the sampler" in error
+    assert asyncio.run(text(b"pq"))[:2] == ("pqpq", FinishReason.LENGTH)
+    assert e.kv_usage == 0.0 and e.num_running == 0 and e.state.name == "READY"
+    e.stop()
+
+
 def test_a_request_whose_loop_closed_does_not_stop_the_engine() -> None:
     e = engine(options={"step_delay_s": 0.002})
 

@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from laya_core.kv_cache import KVCache, max_reuse_tokens
+from laya_core.kv_cache import KVCache, KVOp, max_reuse_tokens
 from laya_core.kv_manager import BLOCK_SIZE
 from laya_core.prefix_cache import MIN_REUSE_TOKENS, best_match, common_prefix_len
 from laya_core.sequence import Sequence
@@ -203,6 +203,23 @@ class StreamsKVCache(KVCache):
 
     def before_step(self) -> None:
         self._compact()
+
+    def op_failed(self, op: KVOp) -> tuple[int, ...]:
+        """The backend could not apply ``op``: a stream it was to start or move fails its
+        sequence; saved KV it was to make, or retained KV it was to move, is forgotten (the
+        slot is free again, and a start clears a stream). A failed drop or forget leaves
+        KV the next start in that slot clears, or bytes nobody asks for."""
+        if isinstance(op, StartStream):
+            return (op.slot,)
+        if isinstance(op, MoveStream):
+            if op.running:
+                return (op.dst,)
+            if op.dst in self.prefix:
+                self._drop_retained(op.dst)
+                self._free_slots.append(op.dst)
+        elif isinstance(op, SaveStream) and op.key in self.saved:
+            self._take_saved(op.key)
+        return ()
 
     # -- placement ------------------------------------------------------------------------
 
