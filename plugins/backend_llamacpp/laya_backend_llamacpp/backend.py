@@ -25,7 +25,7 @@ from laya_core.types import Sample, SamplingParams
 from laya_backend_llamacpp import cpu, memory, sampling
 from laya_backend_llamacpp.llama_log import LLAMA_LOG, weight_buffers
 from laya_backend_llamacpp.memory import SCORE_BLOCK_ROWS, kv_layout, saved_kv_tokens
-from laya_backend_llamacpp.threads import ThreadGovernor
+from laya_core.threads import ThreadGovernor
 from laya_backend_llamacpp.tokenizer import LlamaTokenizer
 
 log = logging.getLogger(__name__)

@@ -6,12 +6,11 @@ Pure functions of ``/proc/cpuinfo``, the CPU topology in ``/sys`` and the build'
 
 from __future__ import annotations
 
-import os
 import re
-from collections.abc import Iterable
 from pathlib import Path
 
 import attrs
+from laya_core.threads import physical_cores  # noqa: F401 - cpu.physical_cores, as before
 
 # CPU flags worth naming in the start-up log and /ready, in this order (x86 names in
 # /proc/cpuinfo; other architectures simply show fewer).
@@ -50,26 +49,6 @@ def read_cpuinfo(text: str | None = None) -> CpuInfo:
 def build_features(system_info: str) -> frozenset[str]:
     """The features a llama.cpp build was compiled with: ``AVX2 = 1 | AMX_INT8 = 1 | ...``."""
     return frozenset(m.group(1) for m in re.finditer(r"(\w+) = 1\b", system_info))
-
-
-def physical_cores(cpus: Iterable[int] | None = None, sysfs: Path = Path("/sys")) -> int:
-    """Cores (not hyper-threads) among the CPUs this process may run on.
-
-    Two hyper-threads of one core share its execution units, and llama.cpp's threads wait
-    for each other after every operation, so a second thread per core only adds waiting.
-    Falls back to the number of CPUs where the topology cannot be read.
-    """
-    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
-    cores = set()
-    for cpu in cpus:
-        topology = sysfs / f"devices/system/cpu/cpu{cpu}/topology"
-        try:
-            package = (topology / "physical_package_id").read_text().strip()
-            core = (topology / "core_id").read_text().strip()
-        except OSError:
-            return max(1, len(cpus))
-        cores.add((package, core))
-    return max(1, len(cores))
 
 
 # Weight types that ggml-cpu's extra buffers move into their own layout (repack.cpp's

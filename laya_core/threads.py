@@ -1,4 +1,8 @@
-"""How many threads each ``llama_decode`` gets: all the cores, unless others need them now.
+"""How many threads a backend's step gets: all the cores, unless others need them now.
+
+Backend-neutral: llama.cpp's ggml threads and torch's OpenMP intra-op pool both meet at a
+barrier per operation with the calling thread computing beside them, so the same signal
+serves both. What follows was measured with llama.cpp.
 
 llama.cpp's compute threads meet at a barrier after every graph node, hundreds of times per
 forward pass. While every thread has a core of its own that costs little; when another
@@ -29,8 +33,10 @@ barrier, and raising priority needs real-time scheduling and privileges.
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 
 class ThreadGovernor:
@@ -91,3 +97,23 @@ class ThreadGovernor:
             return
         self._probe_after_s = min(self._probe_after_s * 2, self._max_probe_s)
         self._drop()
+
+
+def physical_cores(cpus: Iterable[int] | None = None, sysfs: Path = Path("/sys")) -> int:
+    """Cores (not hyper-threads) among the CPUs this process may run on.
+
+    Two hyper-threads of one core share its execution units, and a backend's threads wait
+    for each other after every operation, so a second thread per core only adds waiting.
+    Falls back to the number of CPUs where the topology cannot be read.
+    """
+    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    cores = set()
+    for cpu in cpus:
+        topology = sysfs / f"devices/system/cpu/cpu{cpu}/topology"
+        try:
+            package = (topology / "physical_package_id").read_text().strip()
+            core = (topology / "core_id").read_text().strip()
+        except OSError:
+            return max(1, len(cpus))
+        cores.add((package, core))
+    return max(1, len(cores))

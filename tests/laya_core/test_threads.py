@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from laya_backend_llamacpp.threads import ThreadGovernor
+from laya_core.threads import ThreadGovernor
 
 
 class Clock:
