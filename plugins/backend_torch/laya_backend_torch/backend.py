@@ -1,0 +1,203 @@
+"""The PyTorch backend: Llama-family models on the core's paged KV pool.
+
+A step is one forward pass over every item (``model.py``); the logits of the rows that
+sample or score are computed, sampled on tensors (``sampling.py``) and scored. ``torch`` is
+imported in ``load_weights`` only, so a manifest that does not choose this backend never
+pays for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem, StepResult
+from laya_core.memory_plan import MemoryProfile
+from laya_core.model_files import ModelShape
+from laya_core.threads import ThreadGovernor
+from laya_core.types import Sample, SamplingParams
+
+from laya_backend_torch import memory, options
+
+log = logging.getLogger(__name__)
+
+
+class TorchBackend(Backend):
+    """Options (``[models.options]``, spec/manifest.md): ``device`` ("cpu" or "cuda"),
+    ``dtype`` ("auto", "float32", "bfloat16", "float16"), ``quantize`` ("none" or "int8":
+    weight-only, per output channel), ``threads`` ("auto" or a number), ``compile`` (false,
+    or true for torch.compile)."""
+
+    name = "torch"
+    kv_layout = "paged"
+    kv_cache_dtypes = ("f32", "f16", "bf16")
+    supports_prompt_logprobs = True
+    option_names = frozenset(options.OPTIONS)
+
+    @classmethod
+    def check_option(cls, name: str, value: object) -> str | None:
+        return options.check(name, value)
+
+    @classmethod
+    def check_model_path(cls, path: str) -> str | None:
+        return options.check_path(path)
+
+    @classmethod
+    def memory_profile(cls, config: ModelConfig, shape: ModelShape) -> MemoryProfile:
+        return memory.memory_profile(config, shape)
+
+    _model: Any = None
+    _tokenizer: Any = None
+
+    def load_weights(self) -> ModelInfo:
+        import torch
+
+        from laya_backend_torch.checkpoint import open_checkpoint
+        from laya_backend_torch.model import LlamaModel
+        from laya_backend_torch.tokenizer import load_tokenizer
+
+        self._torch = torch
+        chosen = options.choose(self.config.options)
+        torch.set_num_threads(chosen.threads)
+        self._governor = ThreadGovernor(chosen.threads) if chosen.auto_threads else None
+        self._device = torch.device(chosen.device)
+        self._dtype = getattr(torch, chosen.dtype)
+        checkpoint = open_checkpoint(self.config.path)
+        cfg = checkpoint.config
+        self._tokenizer = tok = load_tokenizer(self.config.path)
+        max_positions = max(self.config.max_seq_len or 4096, 16)
+        with torch.inference_mode():
+            self._model = LlamaModel(cfg, checkpoint.tensors(), self._dtype, self._device,
+                                     int8=chosen.quantize == "int8",
+                                     max_positions=max_positions,
+                                     rope_freqs=getattr(checkpoint, "rope_freqs", None))
+        self._vocab = cfg.vocab_size
+        self._forward = self._model.forward
+        if chosen.compile:
+            self._forward = torch.compile(self._model.forward, dynamic=True)
+        self._samplers: dict[int, Any] = {}
+        self._runtime = {
+            "device": chosen.device, "dtype": chosen.dtype, "dtype_reason": chosen.reason,
+            "quantize": chosen.quantize, "threads": chosen.threads, "compile": chosen.compile,
+            "torch": torch.__version__, "cpu_capability": options.cpu_capability(),
+            "checkpoint": checkpoint.description,
+        }
+        info = tok.info
+        return ModelInfo(
+            n_ctx_train=cfg.max_position_embeddings, vocab_size=cfg.vocab_size,
+            eog_token_ids=info.eog_token_ids, chat_template=info.chat_template,
+            bos_token=info.bos_token, eos_token=info.eos_token, add_bos=info.add_bos,
+            description=f"{cfg.architecture} {cfg.num_layers} layers, {chosen.dtype}"
+                        f"{' int8' if chosen.quantize == 'int8' else ''} on {chosen.device}",
+            special_tokens=tok.special_tokens)
+
+    def allocate_kv(self, *, num_tokens: int, max_num_seqs: int) -> None:
+        from laya_core.kv_manager import BLOCK_SIZE
+
+        kv_dtype = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[
+            self.config.kv_cache_dtype]
+        self._block_size = BLOCK_SIZE
+        self._model.allocate_kv(num_tokens // BLOCK_SIZE * BLOCK_SIZE,
+                                getattr(self._torch, kv_dtype))
+
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            raise RuntimeError("the model is not loaded")
+        return self._tokenizer
+
+    def describe(self) -> dict[str, Any]:
+        runtime = dict(getattr(self, "_runtime", {}))
+        governor = getattr(self, "_governor", None)
+        if governor is not None:
+            runtime.update(threads=governor.threads, threads_mode="auto",
+                           threads_max=governor.max_threads, threads_drops=governor.num_drops)
+        return runtime
+
+    def start_sequence(self, seq_id: int, params: SamplingParams) -> None:
+        from laya_backend_torch.sampling import SequenceSampler
+
+        self._samplers[seq_id] = SequenceSampler(params, self._vocab, self._device)
+
+    def free_sequence(self, seq_id: int) -> None:
+        self._samplers.pop(seq_id, None)
+
+    def step(self, items: Sequence[StepItem]) -> list[StepResult]:
+        from laya_backend_torch.model import build_batch
+        from laya_backend_torch.sampling import sample_rows
+
+        torch = self._torch
+        rows: list[int] = []  # batch rows whose logits are computed
+        sampled: list[int] = []  # items that sample, in order
+        sample_at: list[int] = []  # their rows among the computed logits
+        scored: list[tuple[int, int]] = []  # (item, index into rows of its first scored row)
+        first = 0
+        for i, item in enumerate(items):
+            if item.score_targets:
+                scored.append((i, len(rows)))
+                rows += range(first, first + len(item.score_targets))
+            if item.sample:
+                sampled.append(i)
+                sample_at.append(len(rows))
+                rows.append(first + len(item.tokens) - 1)
+            first += len(item.tokens)
+        batch = build_batch(((list(it.tokens), it.start_pos, list(it.block_table))
+                             for it in items), rows, self._block_size)
+        with torch.inference_mode():
+            logits = self._run(batch)
+            scores = {i: self._score(logits[at:at + len(items[i].score_targets)],
+                                     items[i]) for i, at in scored}
+            picks: list[Sample | str] = []
+            if sampled:
+                index = torch.tensor(sample_at, dtype=torch.long)
+                picks = sample_rows(logits[index], [self._samplers[items[i].seq_id]
+                                                    for i in sampled],
+                                    [items[i].allowed_tokens for i in sampled])
+        out = [StepResult(None, scores.get(i, ())) for i in range(len(items))]
+        for i, pick in zip(sampled, picks, strict=True):
+            if isinstance(pick, str):
+                out[i] = StepResult(None, scores.get(i, ()), pick)
+            else:
+                self._samplers[items[i].seq_id].accept(pick.token_id)
+                out[i] = StepResult(pick, scores.get(i, ()))
+        return out
+
+    def _run(self, batch: Any) -> Any:
+        """The forward pass; with ``threads = "auto"`` timed for the thread governor, which
+        gives threads up while other processes hold the cores (laya_core/threads.py)."""
+        if self._governor is None:
+            return self._forward(batch)
+        wall, busy = time.perf_counter(), time.thread_time()
+        logits = self._forward(batch)
+        changed = self._governor.record(time.perf_counter() - wall, time.thread_time() - busy)
+        if changed is not None:
+            self._torch.set_num_threads(changed)
+            log.info("%s: %d of %d torch threads (steps had their thread on a CPU %.0f%% of "
+                     "the time)", self.config.name, changed, self._governor.max_threads,
+                     100 * (self._governor.last_share or 0))
+        return logits
+
+    def _score(self, logits: Any, item: StepItem) -> tuple[Sample, ...]:
+        """Each prompt target's log-probability, rank and the ``score_top`` likeliest, from
+        the model's raw distribution."""
+        torch = self._torch
+        logp = torch.log_softmax(logits.double(), dim=-1)
+        targets = torch.tensor(list(item.score_targets), dtype=torch.long)
+        chosen = logp.gather(1, targets[:, None])[:, 0]
+        ranks = (logp > chosen[:, None]).sum(dim=1) + 1
+        tops: list[tuple[tuple[int, float], ...]] = [()] * len(targets)
+        if item.score_top:
+            values, ids = logp.topk(item.score_top, dim=1)
+            tops = [tuple(zip(r.tolist(), v.tolist(), strict=True))
+                    for r, v in zip(ids, values, strict=True)]
+        return tuple(Sample(int(t), float(lp), top, rank=int(r)) for t, lp, top, r
+                     in zip(targets.tolist(), chosen.tolist(), tops, ranks.tolist(),
+                            strict=True))
+
+    def close(self) -> None:
+        self._model = None
+        self._samplers = {}
+        closing = getattr(self._tokenizer, "close", None)
+        if closing is not None:
+            closing()

@@ -1,0 +1,210 @@
+"""A Llama-family decoder in plain PyTorch that reads and writes the core's paged KV pool.
+
+One forward pass runs every item of a step: the tokens of all items are one flat batch
+through the projections and the MLP (one matrix multiply each, whatever the mix of prefill
+chunks and decodes), and only attention is per sequence. Each token's K and V are written
+to its place in the pool (block ``table[p // 16]``, offset ``p % 16``) before attention reads
+the sequence's whole history back through its block table, so a cached prefix shared by
+several sequences is read, never copied. Decoding sequences attend together in one padded
+call; a prefill chunk attends alone, causally from its start position.
+
+Covers RMSNorm, rotary embeddings (``rope.py``), grouped-query attention, the SwiGLU MLP,
+tied embeddings and Qwen2's q/k/v biases. Weights are in the compute dtype (float32 or
+bfloat16/float16), or int8 per output channel (``quant.Int8Linear``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from laya_backend_torch.checkpoint import LlamaConfig
+from laya_backend_torch.quant import Int8Linear, Linear, dense
+from laya_backend_torch.rope import cos_sin_table, rotate
+
+
+@attrs.define
+class Layer:
+    input_norm: torch.Tensor
+    qkv: Linear  # q, k and v stacked: [(heads + 2 kv_heads) x head_dim, hidden]
+    o: Linear
+    post_norm: torch.Tensor
+    gate_up: Linear  # gate and up stacked: [2 x intermediate, hidden]
+    down: Linear
+
+
+@attrs.frozen
+class Attention:
+    """Where one step's rows attend (``Batch``): the decoding rows together, and each
+    prefill chunk on its own."""
+
+    decode_rows: torch.Tensor | None  # [B] rows of single-token items
+    decode_slots: torch.Tensor | None  # [B, L] pool slots of their histories (padded)
+    decode_mask: torch.Tensor | None  # [B, 1, 1, L] true where a slot is history
+    # (first row, rows, pool slots of positions 0 .. end, start position) per chunk
+    chunks: tuple[tuple[int, int, torch.Tensor, int], ...]
+
+
+@attrs.frozen
+class Batch:
+    tokens: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    slots: torch.Tensor  # [T] long: where each token's K and V go in the pool
+    attention: Attention
+    logit_rows: torch.Tensor  # [R] long: the rows whose next-token logits are wanted
+
+
+def build_batch(items: Iterable[tuple[list[int], int, list[int]]],
+                logit_rows: list[int], block_size: int) -> Batch:
+    """``items``: (tokens, start position, block table) per item, in row order."""
+    tokens: list[int] = []
+    positions: list[torch.Tensor] = []
+    slots: list[torch.Tensor] = []
+    decode: list[tuple[int, torch.Tensor]] = []
+    chunks: list[tuple[int, int, torch.Tensor, int]] = []
+    for toks, start, table in items:
+        row, end = len(tokens), start + len(toks)
+        tokens += toks
+        pos = torch.arange(end)
+        history = torch.tensor(table, dtype=torch.long)[pos // block_size] * block_size \
+            + pos % block_size
+        positions.append(pos[start:])
+        slots.append(history[start:])
+        if len(toks) == 1:
+            decode.append((row, history))
+        else:
+            chunks.append((row, len(toks), history, start))
+    if decode:
+        longest = max(len(h) for _, h in decode)
+        padded = torch.zeros(len(decode), longest, dtype=torch.long)
+        mask = torch.zeros(len(decode), 1, 1, longest, dtype=torch.bool)
+        for i, (_, history) in enumerate(decode):
+            padded[i, :len(history)] = history
+            mask[i, ..., :len(history)] = True
+        attention = Attention(torch.tensor([r for r, _ in decode]), padded, mask, tuple(chunks))
+    else:
+        attention = Attention(None, None, None, tuple(chunks))
+    return Batch(torch.tensor(tokens, dtype=torch.long), torch.cat(positions),
+                 torch.cat(slots), attention, torch.tensor(logit_rows, dtype=torch.long))
+
+
+class LlamaModel:
+    """The weights and the forward pass; the KV pool is given by ``allocate_kv``."""
+
+    def __init__(self, config: LlamaConfig, tensors: Iterator[tuple[str, torch.Tensor]],
+                 dtype: torch.dtype, device: torch.device, int8: bool = False,
+                 max_positions: int = 4096, rope_freqs: torch.Tensor | None = None) -> None:
+        self.config, self.dtype, self.device = config, dtype, device
+        c = config
+        self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        raw: dict[str, torch.Tensor] = {}
+        layers: list[Layer | None] = [None] * c.num_layers
+        prefix = "model.layers."
+        for name, tensor in tensors:
+            raw[name] = tensor
+            if name.startswith(prefix):  # build each layer as soon as its tensors are in
+                i = int(name[len(prefix):].split(".", 1)[0])
+                layer = self._layer(raw, f"{prefix}{i}.", int8)
+                if layer is not None:
+                    layers[i] = layer
+        missing = [i for i, layer in enumerate(layers) if layer is None]
+        if missing:
+            raise ValueError(f"the checkpoint lacks tensors of layers {missing[:5]}")
+        self.layers: list[Layer] = layers  # type: ignore[assignment]
+        embed = raw.pop("model.embed_tokens.weight")
+        head = raw.pop("lm_head.weight", None)
+        self.norm = self._dense(raw.pop("model.norm.weight"))
+        if head is None:  # tied: one matrix looks tokens up and gives the logits
+            self.lm_head = (Int8Linear if int8 else Linear).of(embed, None, dtype, device)
+            self.embed = self.lm_head
+        else:
+            self.lm_head = (Int8Linear if int8 else Linear).of(head, None, dtype, device)
+            self.embed = Linear.of(embed, None, dtype, device)
+        cos, sin = cos_sin_table(c.head_dim, c.rope_theta, c.rope_scaling, max_positions,
+                                 torch.float32, rope_freqs)
+        self.cos, self.sin = cos.to(device), sin.to(device)
+        self.k_pool = self.v_pool = torch.empty(0)
+
+    def _dense(self, t: torch.Tensor) -> torch.Tensor:
+        return dense(t, self.dtype, self.device)
+
+    def _layer(self, raw: dict[str, torch.Tensor], p: str, int8: bool) -> Layer | None:
+        names = [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight",
+                 *(f"{p}self_attn.{x}_proj.weight" for x in "qkvo"),
+                 *(f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down"))]
+        if self.config.attention_bias:
+            names += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
+        if any(n not in raw for n in names):
+            return None
+        t = {n[len(p):]: raw.pop(n) for n in names}
+        kind = Int8Linear if int8 else Linear
+        bias = None
+        if self.config.attention_bias:
+            bias = torch.cat([t[f"self_attn.{x}_proj.bias"] for x in "qkv"])
+        qkv = torch.cat([t[f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        gate_up = torch.cat([t["mlp.gate_proj.weight"], t["mlp.up_proj.weight"]])
+        dt, dev = self.dtype, self.device
+        return Layer(self._dense(t["input_layernorm.weight"]), kind.of(qkv, bias, dt, dev),
+                     kind.of(t["self_attn.o_proj.weight"], None, dt, dev),
+                     self._dense(t["post_attention_layernorm.weight"]),
+                     kind.of(gate_up, None, dt, dev),
+                     kind.of(t["mlp.down_proj.weight"], None, dt, dev))
+
+    def allocate_kv(self, num_slots: int, kv_dtype: torch.dtype) -> None:
+        """The pool, once: [layers, slots, kv_heads, head_dim] for K and for V. Zeroed, so its
+        pages are resident from the start (the memory plan counts them)."""
+        c = self.config
+        shape = (c.num_layers, num_slots, c.num_kv_heads, c.head_dim)
+        self.k_pool = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+        self.v_pool = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """The float32 logits [R, vocab] of ``batch.logit_rows``."""
+        c = self.config
+        h = self.embed.rows(batch.tokens)
+        cos = self.cos[batch.positions].unsqueeze(1).to(self.dtype)
+        sin = self.sin[batch.positions].unsqueeze(1).to(self.dtype)
+        for i, layer in enumerate(self.layers):
+            x = F.rms_norm(h, (c.hidden_size,), layer.input_norm, c.rms_norm_eps)
+            qkv = layer.qkv(x).view(-1, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+            q, k, v = qkv.split((c.num_heads, c.num_kv_heads, c.num_kv_heads), dim=1)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            self.k_pool[i].index_copy_(0, batch.slots, k.to(self.k_pool.dtype))
+            self.v_pool[i].index_copy_(0, batch.slots, v.to(self.v_pool.dtype))
+            h = h + layer.o(self._attend(i, q, batch.attention))
+            x = F.rms_norm(h, (c.hidden_size,), layer.post_norm, c.rms_norm_eps)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
+        rows = h[batch.logit_rows]
+        rows = F.rms_norm(rows, (c.hidden_size,), self.norm, c.rms_norm_eps)
+        return self.lm_head(rows).float()
+
+    def _attend(self, layer: int, q: torch.Tensor, a: Attention) -> torch.Tensor:
+        """Attention output [T, heads x head_dim] for every row of ``q`` [T, heads, dim]."""
+        out = torch.empty(q.shape[0], self.q_size, dtype=q.dtype, device=q.device)
+        kp, vp = self.k_pool[layer], self.v_pool[layer]
+        if a.decode_rows is not None:
+            assert a.decode_slots is not None
+            qd = q[a.decode_rows].unsqueeze(2)  # [B, heads, 1, dim]
+            kd = kp[a.decode_slots].transpose(1, 2).to(q.dtype)  # [B, kv_heads, L, dim]
+            vd = vp[a.decode_slots].transpose(1, 2).to(q.dtype)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=a.decode_mask,
+                                                enable_gqa=True)
+            out[a.decode_rows] = od.reshape(len(a.decode_rows), self.q_size)
+        for row, n, slots, start in a.chunks:
+            qc = q[row:row + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
+            kc = kp[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, kv_heads, end, dim]
+            vc = vp[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            if start == 0:
+                oc = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True,
+                                                    enable_gqa=True)
+            else:
+                query_pos = torch.arange(start, start + n, device=q.device)
+                mask = torch.arange(len(slots), device=q.device)[None, :] <= query_pos[:, None]
+                oc = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask,
+                                                    enable_gqa=True)
+            out[row:row + n] = oc[0].transpose(0, 1).reshape(n, self.q_size)
+        return out

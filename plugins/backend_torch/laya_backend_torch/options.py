@@ -1,0 +1,115 @@
+"""The torch backend's ``[models.options]``: their checks, and what "auto" becomes.
+
+``dtype = "auto"`` picks what the hardware computes fast: bfloat16 on a CUDA device that
+has it (float16 otherwise), and on a CPU bfloat16 only where the CPU has native bf16
+instructions (AVX512-BF16 or AMX). Elsewhere bfloat16 is emulated and can be slower than
+float32, so float32 it is. Nothing here imports torch at manifest-check time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import attrs
+from laya_core.threads import physical_cores
+
+OPTIONS: dict[str, str] = {
+    "device": '"cpu" or "cuda" (or "cuda:N")',
+    "dtype": '"auto", "float32", "bfloat16" or "float16"',
+    "quantize": '"none" or "int8"',
+    "threads": '"auto" or a whole number from 1 to 1024',
+    "compile": "true or false",
+}
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def check(name: str, value: object) -> str | None:
+    """A problem with option ``name``'s value, or None."""
+    ok = {
+        "device": isinstance(value, str) and (value == "cpu" or value == "cuda" or (
+            value.startswith("cuda:") and value[5:].isdigit())),
+        "dtype": value in _DTYPES,
+        "quantize": value in ("none", "int8"),
+        "threads": value == "auto" or (type(value) is int and 1 <= value <= 1024),
+        "compile": isinstance(value, bool),
+    }[name]
+    return None if ok else f"must be {OPTIONS[name]}, not {value!r}"
+
+
+def check_path(path: str) -> str | None:
+    """A GGUF file, or a Hugging Face folder with config.json and safetensors."""
+    p = Path(path)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            return f"{path} is a folder without config.json; the torch backend loads a " \
+                   "Hugging Face model folder (config.json, *.safetensors) or a .gguf file"
+        if not any(p.glob("*.safetensors")):
+            return f"{path} has no .safetensors weights (pickled .bin checkpoints are not " \
+                   "loaded: they can run code)"
+        return None
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        return f"cannot read {path}: {e.strerror}"
+    return None if magic == b"GGUF" else f"{path} is neither a GGUF file nor a model folder"
+
+
+@attrs.frozen
+class Chosen:
+    device: str
+    dtype: str  # a torch dtype's name
+    reason: str  # why that dtype, for the start-up log and /ready
+    quantize: str
+    threads: int  # "auto": the physical cores, and a governor lowers it under contention
+    auto_threads: bool
+    compile: bool
+
+
+def cpu_flags() -> frozenset[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX)."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def cpu_capability() -> str:
+    import torch
+
+    return str(torch.backends.cpu.get_cpu_capability())
+
+
+def choose(opts: dict[str, Any]) -> Chosen:
+    """The settings a replica runs with (imports torch: call at load)."""
+    import torch
+
+    device = opts.get("device", "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f'device "{device}" was asked for, but torch sees no CUDA device '
+                           f"(torch {torch.__version__})")
+    dtype, reason = opts.get("dtype", "auto"), "set in the manifest"
+    if dtype == "auto":
+        if device.startswith("cuda"):
+            bf16 = torch.cuda.is_bf16_supported()
+            dtype = "bfloat16" if bf16 else "float16"
+            reason = "auto: the GPU " + ("has bfloat16" if bf16 else "lacks bfloat16")
+        elif native_bf16():
+            dtype, reason = "bfloat16", "auto: the CPU has native bf16 (AVX512-BF16 or AMX)"
+        else:
+            dtype, reason = "float32", "auto: the CPU has no native bf16, where it is slower"
+    if dtype == "float16" and not device.startswith("cuda"):
+        raise RuntimeError('dtype "float16" runs on cuda only; use "bfloat16" or "float32" '
+                           "on a CPU")
+    threads = opts.get("threads", "auto")
+    auto = threads == "auto"
+    return Chosen(device, dtype, reason, opts.get("quantize", "none"),
+                  physical_cores() if auto else int(threads), auto,
+                  bool(opts.get("compile", False)))

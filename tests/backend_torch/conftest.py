@@ -1,0 +1,45 @@
+"""The embedded model as a Hugging Face checkpoint, for the torch backend's tests: exported
+once per session with ``laya-export-hf``, and loaded by transformers as the reference."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from laya_core.builtin.model_paths import embedded_file
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """transformers runs on the test's thread with one torch thread. OpenMP's thread count
+    is per calling thread (the engine sets its own), and two threads beside another busy
+    process ran twenty times slower than one (measured here: 137 s against 7 s for the
+    greedy comparison)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def hf_export_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from laya_backend_torch.export import main as export_main
+
+    out = tmp_path_factory.mktemp("hf") / "smollm2"
+    assert export_main([embedded_file("smollm2-135m-instruct"), str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_model(hf_export_dir: Path) -> Any:
+    """transformers' LlamaForCausalLM, float32, from the exported folder."""
+    import torch
+    import transformers
+
+    return transformers.LlamaForCausalLM.from_pretrained(hf_export_dir,
+                                                         dtype=torch.float32).eval()
