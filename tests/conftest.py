@@ -29,6 +29,7 @@ class ServerProcess:
         """Serve ``manifest_text`` (``{port}`` filled in), or with None no manifest: then
         ``args`` (a model, flags) say what to serve, and ``--port`` is added."""
         self.port = free_port()
+        self.backend = "llamacpp"  # what serves the model, where a test fixture says
         self.url = f"http://127.0.0.1:{self.port}"
         if manifest_text is None:
             command = [*args, "--port", str(self.port)]
@@ -97,10 +98,23 @@ def serving(manifest_text: str, workdir: Path) -> Iterator[ServerProcess]:
     assert code == 0, f"server exited with {code}:\n{server.log()}"
 
 
-@pytest.fixture(scope="session")
-def smollm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """One real server of the embedded model for the whole session."""
-    with serving(SMOLLM_MANIFEST, tmp_path_factory.mktemp("smollm_server")) as server:
+# The backends that serve the embedded model: every test of ``smollm_server`` runs on each.
+SMOLLM_BACKENDS = ("llamacpp", "torch")
+
+
+def smollm_manifest(backend: str) -> str:
+    return SMOLLM_MANIFEST.replace('backend = "llamacpp"', f'backend = "{backend}"')
+
+
+@pytest.fixture(scope="session", params=SMOLLM_BACKENDS)
+def smollm_server(request: pytest.FixtureRequest,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One real server of the embedded model per backend, for the whole session (pytest
+    runs the tests of one backend's server, then stops it and starts the next)."""
+    backend = request.param
+    with serving(smollm_manifest(backend),
+                 tmp_path_factory.mktemp(f"smollm_server_{backend}")) as server:
+        server.backend = backend
         yield server
 
 

@@ -196,14 +196,22 @@ def test_stop_token_ids_and_ignore_eos(client: openai.OpenAI) -> None:
     assert full.choices[0].finish_reason == "length"
 
 
-def test_ready_and_the_start_up_log_say_how_llama_cpp_runs(smollm_server: ServerProcess) -> None:
+def test_ready_and_the_start_up_log_say_how_the_backend_runs(
+        smollm_server: ServerProcess) -> None:
     (replica,) = httpx.get(f"{smollm_server.url}/ready").json()["replicas"]
     runtime = replica["runtime"]
+    line = next(x for x in smollm_server.log().splitlines() if "smollm2 replica 0 ready" in x)
+    if smollm_server.backend == "torch":
+        assert runtime["device"] == "cpu" and runtime["dtype"] in ("float32", "bfloat16")
+        assert runtime["dtype_reason"].startswith("auto: the CPU")
+        assert 1 <= runtime["threads"] <= runtime["threads_max"]
+        assert runtime["threads_mode"] == "auto" and runtime["checkpoint"].startswith("GGUF")
+        assert f"dtype {runtime['dtype']}" in line and "threads " in line
+        return
     host = read_cpuinfo()
     assert runtime["cpu"] == host.model and runtime["cpu_flags"] == host.notable_flags
     assert isinstance(runtime["repack"], bool) and runtime["repack_reason"]
     assert set(runtime["weight_buffer_bytes"]) <= {"CPU", "CPU_Mapped"}  # never AMX here
     assert 1 <= runtime["n_threads"] <= runtime["n_threads_max"]
     assert runtime["n_threads_mode"] == "auto"
-    line = next(x for x in smollm_server.log().splitlines() if "smollm2 replica 0 ready" in x)
     assert host.model in line and "weight_buffer_bytes CPU" in line and "repack " in line

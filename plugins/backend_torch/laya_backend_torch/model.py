@@ -47,6 +47,15 @@ class Attention:
     # (first row, rows, pool slots of positions 0 .. end, start position) per chunk
     chunks: tuple[tuple[int, int, torch.Tensor, int], ...]
 
+    def to(self, device: torch.device | str) -> Attention:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return Attention(move(self.decode_rows), move(self.decode_slots),
+                         move(self.decode_mask),
+                         tuple((r, n, s.to(device, non_blocking=True), st)
+                               for r, n, s, st in self.chunks))
+
 
 @attrs.frozen
 class Batch:
@@ -55,6 +64,14 @@ class Batch:
     slots: torch.Tensor  # [T] long: where each token's K and V go in the pool
     attention: Attention
     logit_rows: torch.Tensor  # [R] long: the rows whose next-token logits are wanted
+
+    def to(self, device: torch.device | str) -> Batch:
+        """The batch on ``device`` (built on the CPU, where its indices are computed)."""
+        if torch.device(device).type == "cpu":
+            return self
+        return Batch(*(t.to(device, non_blocking=True) for t in
+                       (self.tokens, self.positions, self.slots)),
+                     self.attention.to(device), self.logit_rows.to(device))
 
 
 def build_batch(items: Iterable[tuple[list[int], int, list[int]]],

@@ -1,0 +1,69 @@
+"""The torch plugin as the core sees it: registered, its options checked like every
+backend's, its model paths checked, and torch imported only for a manifest that uses it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from laya_core import manifest as mf
+from laya_core.plugins import load_registry
+
+
+def torch_model(**options: object) -> dict:
+    return {"name": "m", "backend": "torch", "path": "embedded:smollm2-135m-instruct",
+            "options": options}
+
+
+@pytest.mark.parametrize(("options", "key", "words"), [
+    ({"dtype": "float64"}, "models[0].options.dtype", '"auto", "float32"'),
+    ({"device": "tpu"}, "models[0].options.device", '"cpu" or "cuda"'),
+    ({"quantize": "int4"}, "models[0].options.quantize", '"none" or "int8"'),
+    ({"threads": 0}, "models[0].options.threads", "from 1 to 1024"),
+    ({"compile": "yes"}, "models[0].options.compile", "true or false"),
+    ({"n_threads": 2}, "models[0].options.n_threads", ""),
+])
+def test_bad_options_name_their_key(options: dict, key: str, words: str) -> None:
+    with pytest.raises(mf.ManifestError) as info:
+        mf.resolve(mf.from_dict({"models": [torch_model(**options)]}), load_registry())
+    assert info.value.key == key and words in str(info.value)
+
+
+def test_good_options_pass() -> None:
+    mf.resolve(mf.from_dict({"models": [torch_model(
+        dtype="bfloat16", device="cuda:1", quantize="int8", threads=3, compile=True)]}),
+        load_registry())
+
+
+@pytest.mark.parametrize(("make", "words"), [
+    (lambda d: d, "without config.json"),
+    (lambda d: (d / "config.json").write_text("{}") and d, "no .safetensors weights"),
+    (lambda d: (d / "m.bin").write_bytes(b"PK\x03\x04") and d / "m.bin", "neither a GGUF"),
+])
+def test_model_paths_are_checked(tmp_path: Path, make, words: str) -> None:  # type: ignore[no-untyped-def]
+    path = make(tmp_path)
+    with pytest.raises(mf.ManifestError) as info:
+        mf.resolve(mf.from_dict({"models": [{"name": "m", "backend": "torch",
+                                             "path": str(path)}]}), load_registry())
+    assert words in str(info.value)
+
+
+def test_torch_is_imported_only_for_a_manifest_that_uses_it() -> None:
+    """The registry, a llama.cpp manifest's checks and its plan never import torch."""
+    code = (
+        "import sys\n"
+        "from laya_core import manifest as mf\n"
+        "from laya_core.plugins import load_registry\n"
+        "from laya_core.planner import make_plan\n"
+        "r = load_registry()\n"
+        "m = mf.resolve(mf.from_dict({'models': [{'name': 's', "
+        "'path': 'embedded:smollm2-135m-instruct'}]}), r)\n"
+        "make_plan(m, r)\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
