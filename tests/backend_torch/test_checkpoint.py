@@ -23,7 +23,7 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType as GGMLType
 from gguf.quants import dequantize, quantize
-from laya_backend_torch import checkpoint as ck
+from laya_backend_torch import gguf_checkpoint as ck
 from laya_backend_torch.checkpoint import (
     CheckpointError,
     LlamaConfig,
