@@ -14,7 +14,8 @@ level the median over the rounds of output tokens/s and TTFT p50, and each round
 the baseline server (``--baseline``, default the first); ``--out`` writes it all as JSON.
 
 Laya serves the embedded model with ``max_seq_len = 1024`` and ``max_num_seqs = 16`` and the
-given ``[models.options]`` (none for plain defaults); llama-server serves the same file with
+given ``[models.options]`` (none for plain defaults; a ``"backend"`` key among them picks the
+backend: ``--laya 'torch:{"backend": "torch"}'``); llama-server serves the same file with
 ``--llama-server-args`` (default ``--parallel 16 -c 16384``: the same 16 slots of 1024).
 It sends traffic only to servers it started on 127.0.0.1.
 """
@@ -43,6 +44,7 @@ port = {port}
 
 [[models]]
 name = "smollm2"
+backend = "{backend}"
 path = "embedded:smollm2-135m-instruct"
 max_seq_len = 1024
 max_num_seqs = 16
@@ -98,9 +100,10 @@ def laya_server(spec: str, workdir: Path) -> Server:
     spec, python = (head, python) if head and python.startswith("/") else (spec, "")
     name, _, options = spec.partition(":")
     table = json.loads(options) if options else {}
+    backend = table.pop("backend", "llamacpp")  # the one key that is not an option
     port = _free_port()
     manifest = workdir / f"{name}.toml"
-    manifest.write_text(LAYA_MANIFEST.format(port=port, options="\n".join(
+    manifest.write_text(LAYA_MANIFEST.format(port=port, backend=backend, options="\n".join(
         f"{k} = {_toml_value(v)}" for k, v in table.items())))
     argv = [python or sys.executable, "-m", "laya_core.cli", "serve", str(manifest)]
     return Server(name, argv, "/ready", port)
@@ -169,8 +172,9 @@ def summarize(runs: list[dict[str, Any]], baseline: str) -> dict[str, Any]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--laya", action="append", default=[], metavar="NAME[:OPTIONS_JSON][@PYTHON]",
-                   help="a Laya server with these [models.options], run by PYTHON (default: "
-                   "this interpreter's install); repeat to compare several")
+                   help="a Laya server with these [models.options] (a \"backend\" key picks "
+                   "the backend, default llamacpp), run by PYTHON (default: this "
+                   "interpreter's install); repeat to compare several")
     p.add_argument("--llama-server", metavar="PATH", help="llama.cpp's server binary")
     p.add_argument("--llama-server-args", default="--parallel 16 -c 16384")
     p.add_argument("--rounds", type=int, default=3)

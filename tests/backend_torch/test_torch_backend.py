@@ -35,7 +35,7 @@ def start(path: str, **options: Any) -> tuple[Deployment, Engine]:
     manifest = mf.resolve(mf.from_dict({"models": [{
         "name": "smollm2", "backend": "torch", "path": path, "max_seq_len": 512,
         "max_num_seqs": 4, "max_step_tokens": 128,
-        "options": {"dtype": "float32", "threads": 1, **options}}]}), registry)
+        "options": {"dtype": "float32", "n_threads": 1, **options}}]}), registry)
     deployment = Deployment(manifest, registry)
     deployment.start()
     assert deployment.wait_ready(120), deployment.engines[0].error

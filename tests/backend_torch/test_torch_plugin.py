@@ -22,9 +22,9 @@ def torch_model(**options: object) -> dict:
     ({"dtype": "float64"}, "models[0].options.dtype", '"auto", "float32"'),
     ({"device": "tpu"}, "models[0].options.device", '"cpu" or "cuda"'),
     ({"quantize": "int4"}, "models[0].options.quantize", '"none" or "int8"'),
-    ({"threads": 0}, "models[0].options.threads", "from 1 to 1024"),
+    ({"n_threads": 0}, "models[0].options.n_threads", "from 1 to 1024"),
     ({"compile": "yes"}, "models[0].options.compile", "true or false"),
-    ({"n_threads": 2}, "models[0].options.n_threads", ""),
+    ({"threads": 2}, "models[0].options.threads", ""),
 ])
 def test_bad_options_name_their_key(options: dict, key: str, words: str) -> None:
     with pytest.raises(mf.ManifestError) as info:
@@ -34,7 +34,7 @@ def test_bad_options_name_their_key(options: dict, key: str, words: str) -> None
 
 def test_good_options_pass() -> None:
     mf.resolve(mf.from_dict({"models": [torch_model(
-        dtype="bfloat16", device="cuda:1", quantize="int8", threads=3, compile=True)]}),
+        dtype="bfloat16", device="cuda:1", quantize="int8", n_threads=3, compile=True)]}),
         load_registry())
 
 

@@ -204,9 +204,9 @@ def test_ready_and_the_start_up_log_say_how_the_backend_runs(
     if smollm_server.backend == "torch":
         assert runtime["device"] == "cpu" and runtime["dtype"] in ("float32", "bfloat16")
         assert runtime["dtype_reason"].startswith("auto: the CPU")
-        assert 1 <= runtime["threads"] <= runtime["threads_max"]
-        assert runtime["threads_mode"] == "auto" and runtime["checkpoint"].startswith("GGUF")
-        assert f"dtype {runtime['dtype']}" in line and "threads " in line
+        assert 1 <= runtime["n_threads"] <= runtime["n_threads_max"]
+        assert runtime["n_threads_mode"] == "auto" and runtime["checkpoint"].startswith("GGUF")
+        assert f"dtype {runtime['dtype']}" in line and "n_threads " in line
         return
     host = read_cpuinfo()
     assert runtime["cpu"] == host.model and runtime["cpu_flags"] == host.notable_flags

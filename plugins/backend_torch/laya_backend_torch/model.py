@@ -69,9 +69,9 @@ class Batch:
         """The batch on ``device`` (built on the CPU, where its indices are computed)."""
         if torch.device(device).type == "cpu":
             return self
-        return Batch(*(t.to(device, non_blocking=True) for t in
-                       (self.tokens, self.positions, self.slots)),
-                     self.attention.to(device), self.logit_rows.to(device))
+        return Batch(self.tokens.to(device), self.positions.to(device),
+                     self.slots.to(device), self.attention.to(device),
+                     self.logit_rows.to(device))
 
 
 def build_batch(items: Iterable[tuple[list[int], int, list[int]]],

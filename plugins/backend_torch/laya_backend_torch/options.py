@@ -18,7 +18,7 @@ OPTIONS: dict[str, str] = {
     "device": '"cpu" or "cuda" (or "cuda:N")',
     "dtype": '"auto", "float32", "bfloat16" or "float16"',
     "quantize": '"none" or "int8"',
-    "threads": '"auto" or a whole number from 1 to 1024',
+    "n_threads": '"auto" or a whole number from 1 to 1024',
     "compile": "true or false",
 }
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -31,7 +31,7 @@ def check(name: str, value: object) -> str | None:
             value.startswith("cuda:") and value[5:].isdigit())),
         "dtype": value in _DTYPES,
         "quantize": value in ("none", "int8"),
-        "threads": value == "auto" or (type(value) is int and 1 <= value <= 1024),
+        "n_threads": value == "auto" or (type(value) is int and 1 <= value <= 1024),
         "compile": isinstance(value, bool),
     }[name]
     return None if ok else f"must be {OPTIONS[name]}, not {value!r}"
@@ -108,7 +108,7 @@ def choose(opts: dict[str, Any]) -> Chosen:
     if dtype == "float16" and not device.startswith("cuda"):
         raise RuntimeError('dtype "float16" runs on cuda only; use "bfloat16" or "float32" '
                            "on a CPU")
-    threads = opts.get("threads", "auto")
+    threads = opts.get("n_threads", "auto")
     auto = threads == "auto"
     return Chosen(device, dtype, reason, opts.get("quantize", "none"),
                   physical_cores() if auto else int(threads), auto,
