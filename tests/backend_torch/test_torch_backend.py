@@ -176,3 +176,22 @@ def test_blocks_are_given_back_and_samplers_freed(engine: Engine) -> None:
         generate(engine, ids_of(engine, f"{PROMPTS[i % 4]} {i}"), max_tokens=3)
     assert engine.kv_used_tokens == 0
     assert not engine.backend._samplers  # type: ignore[attr-defined]
+
+
+def test_a_hugging_face_folder_serves_what_the_gguf_does(engine: Engine,
+                                                         hf_export_dir: Any) -> None:
+    """The exported folder (safetensors, tokenizer.json, the chat template) through the same
+    backend: the same model information and the same greedy tokens as the GGUF."""
+    deployment, folder = start(str(hf_export_dir))
+    try:
+        assert folder.info is not None and engine.info is not None
+        assert folder.info.eog_token_ids == engine.info.eog_token_ids
+        assert folder.info.chat_template == engine.info.chat_template
+        ids = ids_of(engine, PROMPTS[1])
+        assert ids_of(folder, PROMPTS[1]) == ids
+        assert generate(folder, ids, max_tokens=16, temperature=0.0) == \
+            generate(engine, ids, max_tokens=16, temperature=0.0)
+        assert "safetensors" in folder.runtime()["checkpoint"].lower() or \
+            "hugging face" in folder.runtime()["checkpoint"].lower()
+    finally:
+        deployment.stop()
