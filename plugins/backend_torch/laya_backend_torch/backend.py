@@ -68,11 +68,14 @@ class TorchBackend(Backend):
         cfg = checkpoint.config
         self._tokenizer = tok = load_tokenizer(self.config.path)
         max_positions = max(self.config.max_seq_len or 4096, 16)
+        int8 = chosen.quantize == "int8"
         with torch.inference_mode():
-            self._model = LlamaModel(cfg, checkpoint.tensors(), self._dtype, self._device,
-                                     int8=chosen.quantize == "int8",
+            tensors = memory.as_kept(checkpoint.tensors(), self._dtype, int8,
+                                     cfg.tie_word_embeddings)
+            self._model = LlamaModel(cfg, tensors, self._dtype, self._device, int8=int8,
                                      max_positions=max_positions,
                                      rope_freqs=getattr(checkpoint, "rope_freqs", None))
+        memory.release_freed_heap()  # the load's temporaries, so the plan's weights are RSS
         self._vocab = cfg.vocab_size
         self._forward = self._model.forward
         if chosen.compile:

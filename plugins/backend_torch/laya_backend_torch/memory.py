@@ -1,24 +1,72 @@
-"""What one torch replica costs, from the checkpoint's metadata (nothing is loaded).
+"""What one torch replica costs, from the checkpoint's metadata (nothing is loaded), and the
+load's part in keeping that true.
 
 The weights are priced as they sit in memory after load, not as stored: a Q4_1 GGUF is
 dequantized, so its matrices cost the compute dtype's bytes, or one byte plus a scale per
-row with ``quantize = "int8"``. The KV pool is priced by the KV dtype; one step's
-activations, logits and the torch library itself are the overheads.
+row with ``quantize = "int8"``. The KV pool is priced by the KV dtype. The overheads are one
+step's activations and its logits (each the peak of the largest step the scheduler may
+make; glibc keeps a step's freed memory for the next, so it stays resident), libtorch, the
+tokenizer, and what the load needs for a moment beyond all of them.
+
+Every constant below was measured with tests/memory/torch_rss_stages.py (RSS and its peak,
+VmHWM, at each stage; torch 2.13.0 CPU, tokenizers 0.23, an AMD EPYC with AVX512-BF16), and
+tests/memory/test_torch_ledger.py checks the ledger against it in float32, bfloat16 and int8.
 """
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
 from laya_core.backend import ModelConfig
-from laya_core.memory_plan import MemoryProfile, Overhead, kv_bytes_per_token
+from laya_core.memory_plan import (MemoryProfile, Overhead, kv_bytes_per_token,
+                                   scored_tokens_per_step)
 from laya_core.model_files import ModelShape
 
+if TYPE_CHECKING:
+    from laya_backend_torch.checkpoint import LlamaConfig
+
+MIB = 2**20
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# libtorch's resident size once imported and warmed up (kernels, allocator, thread pools):
-# measured 245-280 MiB with torch 2.13.0 (CPU build) on an AMD EPYC.
-TORCH_RUNTIME_BYTES = 270 * 2**20
-# The tokenizer's vocabulary, merges and caches, per token of the vocabulary (measured:
-# about 12 MiB for 49,152 tokens with tokenizers 0.23).
-_TOKENIZER_BYTES_PER_TOKEN = 256
+# libtorch imported (218.5 MiB: its code, data and allocator) and its kernels run once, on a
+# one-layer model of the replica's dtype (21-33 MiB more of its code touched): 240 MiB with
+# int8, 242 in float32, 251 in bfloat16, whose dense 16-bit matrix kernels are more code;
+# a thread adds its stack and its malloc arena (0.5-2 MiB measured).
+TORCH_RUNTIME_BYTES = 242 * MIB
+TORCH_RUNTIME_16_BIT_KERNELS_BYTES = 10 * MIB
+TORCH_RUNTIME_BYTES_PER_THREAD = 2 * MIB
+# The tokenizer: two tokenizers.Tokenizer (with and without special-token parsing) and the
+# token texts, 38 MiB for 49,152 tokens; the tokenizers library's code (6 MiB) and its word
+# cache, full after a few thousand tokens of text (10 MiB).
+TOKENIZER_BYTES = 16 * MIB
+TOKENIZER_BYTES_PER_TOKEN = 820
+# Reading a GGUF vocabulary (gguf.GGUFReader: numpy views of every string) needs for a
+# moment 227 MiB above what the tokenizer keeps, for 49,152 tokens.
+VOCAB_READ_BYTES_PER_TOKEN = 4_850
+# Quantizing the output head (the tied embedding, or lm_head) to int8 at the end of the load
+# holds it in float32 (4 B an element) with two float32 temporaries (w / scale, rounded)
+# while its int8 copy (1 B) is made: 11 B an element above the loaded weights.
+INT8_HEAD_TRANSIENT_BYTES = 11
+# A step: its fixed part (positions, index tensors, rotary rows: 4.8 MiB measured in
+# float32, and 3 MiB for the heap's fragmentation across steps of other sizes), and per
+# token the residual stream, q/k/v, attention output and MLP (gate, up and their product,
+# with the kernels' float32 scratch): 8 x (hidden + intermediate) x dtype bytes measured
+# (7.3 in bfloat16, 8.0 in float32); int8's weight-only kernel adds 10 x (hidden +
+# intermediate) B; attention runs in float32 (model.py): q and its output add 8 B an element.
+STEP_FIXED_BYTES = 8 * MIB
+# Attention gathers each sequence's history from the pool and converts it to float32: the
+# pool's bytes + 4 + 4 of the kernel's own per element of K and V (8.3 to 9.6 B measured
+# with an f16 pool).
+HISTORY_EXTRA_BYTES = 8
+# Logits, per element of a row: a scored row's float32 logits, their float64 copy and its
+# log-softmax, 22 B (measured); a sampled row's logits, their copy and the sampler's work
+# (penalties, the row ranked by int64 keys for top-k and top-p, min-p), 56 B (measured with
+# all of them). Both count: the sampler's freed tensors stay in the heap while a later step
+# scores.
+SCORED_ROW_BYTES = 22
+SAMPLED_ROW_BYTES = 56
 
 
 def planned_dtype(config: ModelConfig) -> str:
@@ -33,11 +81,16 @@ def planned_dtype(config: ModelConfig) -> str:
     return "bfloat16" if native_bf16() else "float32"
 
 
-def weight_bytes(config: ModelConfig) -> tuple[int, str]:
-    """The loaded weights' bytes, and how they were counted."""
-    from laya_backend_torch.checkpoint import read_config
+def planned_threads(config: ModelConfig) -> int:
+    """The torch threads ``options.choose`` will start with."""
+    from laya_core.threads import physical_cores
 
-    c = read_config(config.path)
+    threads = config.options.get("n_threads", "auto")
+    return physical_cores() if threads == "auto" else int(threads)
+
+
+def weight_bytes(config: ModelConfig, c: LlamaConfig) -> tuple[int, str]:
+    """The loaded weights' bytes, and how they were counted."""
     dtype = planned_dtype(config)
     size = _DTYPE_BYTES[dtype]
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -47,47 +100,127 @@ def weight_bytes(config: ModelConfig) -> tuple[int, str]:
     vectors = c.num_layers * 2 * c.hidden_size + c.hidden_size
     if c.attention_bias:
         vectors += c.num_layers * (q + 2 * kv)
-    embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    embedding = c.vocab_size * c.hidden_size
     if config.options.get("quantize", "none") == "int8":
-        scales = c.num_layers * rows + c.vocab_size * (1 if c.tie_word_embeddings else 2)
-        total = matrices + embeddings + (vectors + scales) * size
-        return total, f"{dtype} with int8 matrices (one {dtype} scale per row)"
+        # Layers' matrices and the output head in int8 with a bfloat16 scale per row; an
+        # untied input embedding stays dense.
+        scales = c.num_layers * rows + c.vocab_size
+        dense = 0 if c.tie_word_embeddings else embedding * size
+        total = matrices + embedding + dense + vectors * size + scales * 2
+        return total, f"{dtype} with int8 matrices (one bfloat16 scale per row)"
+    embeddings = embedding * (1 if c.tie_word_embeddings else 2)
     return (matrices + embeddings + vectors) * size, f"{dtype}, every tensor"
 
 
-def memory_profile(config: ModelConfig, shape: ModelShape) -> MemoryProfile:
-    weights, how = weight_bytes(config)
-    dtype = planned_dtype(config)
-    size = _DTYPE_BYTES[dtype]
-    step, seqs = config.max_step_tokens, config.max_num_seqs or 1
-    ctx = config.max_seq_len or 4096
+def activation_bytes(config: ModelConfig, c: LlamaConfig, shape: ModelShape) -> int:
+    """The largest step's activations: every step token through the layers, plus the
+    widest attention read, at most the whole pool's history."""
+    size = _DTYPE_BYTES[planned_dtype(config)]
+    width = c.hidden_size + c.intermediate_size
+    per_token = 8 * width * size + 8 * c.num_heads * c.head_dim
+    if config.options.get("quantize", "none") == "int8":
+        per_token += 10 * width
     kv_width = shape.n_kv_heads * (shape.head_dim_k + shape.head_dim_v)
-    # One step: the residual stream and its normed copy, q/k/v, the attention output and
-    # the MLP's gate/up/product (about 3 x intermediate, taken as 8 x hidden) per token,
-    # plus the widest attention read (a chunk's or the decode batch's whole history,
-    # gathered K and V) and one chunk's attention scores, in float32.
-    per_token = (4 * shape.hidden_size + 3 * shape.n_heads * shape.head_dim_k
-                 + 8 * shape.hidden_size) * size
-    history = max(ctx, seqs * ctx) * kv_width * size
-    scores = shape.n_heads * step * ctx * 4
-    activations = step * per_token + history + scores
-    from laya_core.memory_plan import scored_tokens_per_step
+    pool_bytes = kv_bytes_per_token(shape, config.kv_cache_dtype) // (shape.n_layers
+                                                                     * kv_width)
+    return (STEP_FIXED_BYTES + config.max_step_tokens * per_token
+            + history_tokens(config) * kv_width * (pool_bytes + HISTORY_EXTRA_BYTES))
 
-    rows = seqs + scored_tokens_per_step(step)
+
+def pool_tokens(config: ModelConfig) -> int:
+    return config.kv_cache_tokens or (config.max_seq_len or 4096) * (config.max_num_seqs or 1)
+
+
+def history_tokens(config: ModelConfig) -> int:
+    """The most history one step's attention reads: every sequence at full length, but no
+    more than the pool holds."""
+    return min((config.max_seq_len or 4096) * (config.max_num_seqs or 1), pool_tokens(config))
+
+
+def logits_bytes(config: ModelConfig, vocab_size: int) -> tuple[int, int, int]:
+    """A step's logits at their peak: (bytes, sampled rows, scored rows)."""
+    sampled, scored = config.max_num_seqs or 1, scored_tokens_per_step(config.max_step_tokens)
+    row_bytes = SCORED_ROW_BYTES * scored + SAMPLED_ROW_BYTES * sampled
+    return row_bytes * vocab_size, sampled, scored
+
+
+def load_transient_bytes(config: ModelConfig, c: LlamaConfig, weights: int,
+                         vocabulary: int) -> int:
+    """What the load holds for a moment above the loaded weights and tokenizer."""
+    reading = 0
+    if not Path(config.path).is_dir():  # a GGUF file's vocabulary
+        reading = max(0, c.vocab_size * VOCAB_READ_BYTES_PER_TOKEN - weights - vocabulary)
+    if config.options.get("quantize", "none") != "int8":
+        return reading
+    return max(reading, c.vocab_size * c.hidden_size * INT8_HEAD_TRANSIENT_BYTES)
+
+
+def memory_profile(config: ModelConfig, shape: ModelShape) -> MemoryProfile:
+    from laya_backend_torch.checkpoint import read_config
+
+    c = read_config(config.path)
+    weights, how = weight_bytes(config, c)
+    kv_per_token = kv_bytes_per_token(shape, config.kv_cache_dtype)
+    activations = activation_bytes(config, c, shape)
+    logits, sampled, scored = logits_bytes(config, shape.vocab_size)
+    vocabulary = TOKENIZER_BYTES + shape.vocab_size * TOKENIZER_BYTES_PER_TOKEN
+    threads = planned_threads(config)
+    runtime = TORCH_RUNTIME_BYTES + threads * TORCH_RUNTIME_BYTES_PER_THREAD
+    if planned_dtype(config) != "float32" and config.options.get("quantize", "none") != "int8":
+        runtime += TORCH_RUNTIME_16_BIT_KERNELS_BYTES
+    # The load's transient is over before the pool, activations and logits exist; only what
+    # they do not cover is planned on top.
+    later = kv_per_token * pool_tokens(config) + activations + logits
+    load = max(0, load_transient_bytes(config, c, weights, vocabulary) - later)
+    overheads = [
+        Overhead("step activations", activations,
+                 f"{config.max_step_tokens} step tokens x 8 x (hidden + intermediate) x dtype "
+                 f"bytes, + the widest attention read ({history_tokens(config)} tokens of K "
+                 "and V)"),
+        Overhead("logits", logits,
+                 f"vocab x ({sampled} sampled rows x {SAMPLED_ROW_BYTES} B (logits, sampler) "
+                 f"+ {scored} scored rows x {SCORED_ROW_BYTES} B (logits, log-softmax))"),
+        Overhead("torch runtime", runtime,
+                 f"libtorch imported and its kernels run, on {threads} threads (measured, "
+                 "torch 2.13 CPU)"),
+        Overhead("vocabulary", vocabulary,
+                 f"the tokenizer: {TOKENIZER_BYTES_PER_TOKEN} B per token + its library "
+                 "(measured)"),
+    ]
+    if load:
+        overheads.append(Overhead(
+            "load peak", load, "what the load holds for a moment (reading the vocabulary, "
+            "quantizing the output head) beyond the pool, activations and logits after it"))
     return MemoryProfile(
         weights_bytes=weights, weights_source=f"{shape.weights_source}; loaded as {how}",
-        kv_bytes_per_token=kv_bytes_per_token(shape, config.kv_cache_dtype),
-        kv_dtype=config.kv_cache_dtype,
-        overheads=(
-            Overhead("step activations", activations,
-                     f"{step} step tokens x activations per token, + the longest history "
-                     f"read ({seqs} x {ctx} tokens of K and V), + one chunk's attention "
-                     "scores"),
-            Overhead("logits", rows * shape.vocab_size * (4 + 8),
-                     f"{rows} rows (sequences + scored prompt rows) x vocab x (4 B, + 8 B "
-                     "to score them)"),
-            Overhead("torch runtime", TORCH_RUNTIME_BYTES,
-                     "libtorch resident once loaded (measured, torch 2.13 CPU)"),
-            Overhead("vocabulary", shape.vocab_size * _TOKENIZER_BYTES_PER_TOKEN,
-                     f"{_TOKENIZER_BYTES_PER_TOKEN} B per token (the tokenizer's tables)"),
-        ))
+        kv_bytes_per_token=kv_per_token, kv_dtype=config.kv_cache_dtype,
+        overheads=tuple(overheads))
+
+
+def as_kept(tensors: Iterator[tuple[str, Any]], dtype: Any, int8: bool,
+            tied: bool) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's tensors, each in the dtype the model keeps it in as soon as it is
+    read (with ``int8``, the matrices it quantizes stay float32), with the heap's freed
+    pages given back after each.
+
+    The checkpoint dequantizes to float32 and the model holds a tensor until its layer is
+    complete (the embedding until the end), so converting late holds float32 copies; and
+    glibc keeps the pages the layers' temporaries freed, which added up to 330 MiB for
+    SmolLM2-135M in int8 (128 MiB of weights)."""
+    quantized = ("lm_head.weight", "model.embed_tokens.weight") if tied else ("lm_head.weight",)
+    for name, tensor in tensors:
+        if not (int8 and (name.endswith("_proj.weight") or name in quantized)):
+            tensor = tensor.to(dtype)
+        yield name, tensor
+        release_freed_heap()
+
+
+def release_freed_heap() -> None:
+    """Give the pages of freed heap memory back to the kernel (glibc's ``malloc_trim``; a
+    no-op where the C library has none). glibc keeps freed chunks resident for reuse, so
+    without this the load's temporaries stay in RSS, where the plan does not count them."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)

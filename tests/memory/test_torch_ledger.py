@@ -1,0 +1,79 @@
+"""The torch backend's ledger checked against reality: RSS, and its peaks, of a process that
+loads the embedded model in float32, bfloat16 and int8 (torch_rss_stages.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_ledger_vs_rss import KV_TOLERANCE, WEIGHTS_TOLERANCE  # the same as llama.cpp's
+
+MODEL = {"name": "smollm2", "path": "embedded:smollm2-135m-instruct", "backend": "torch",
+         "max_seq_len": 256, "max_num_seqs": 4, "max_step_tokens": 128}
+# One thread each: the three run at once, and the plan's runtime line counts threads.
+DTYPES = {"float32": {"dtype": "float32", "n_threads": 1},
+          "bfloat16": {"dtype": "bfloat16", "n_threads": 1},
+          "int8": {"dtype": "bfloat16", "quantize": "int8", "n_threads": 1}}
+MIB = 2**20
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict[str, dict[str, Any]]:
+    """Every dtype's stages, measured in processes run side by side (each has its own RSS)."""
+    script = Path(__file__).with_name("torch_rss_stages.py")
+    runs = {name: subprocess.Popen(
+        [sys.executable, str(script), json.dumps({"models": [{**MODEL, "options": opts}]})],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name, opts in DTYPES.items()}
+    out = {}
+    for name, run in runs.items():
+        stdout, stderr = run.communicate(timeout=300)
+        assert run.returncode == 0, stderr
+        out[name] = json.loads(stdout.strip().splitlines()[-1])
+    return out
+
+
+def close(measured: int, ledger: int, tolerance: float) -> bool:
+    return abs(measured - ledger) <= tolerance * ledger
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rss_matches_the_ledger(dtype: str, reports: dict[str, dict[str, Any]]) -> None:
+    report = reports[dtype]
+    stages, plan = report["stages"], report["plan"]
+    (ledger,) = plan["replicas"]
+    lines = {o["name"]: o["bytes"] for o in ledger["overheads"]}
+    runtime = stages["torch"] - stages["start"]
+    weights = stages["weights"] - stages["torch"]
+    weights_ledger = ledger["weights_bytes"] + lines["vocabulary"]
+    kv = stages["allocated"] - stages["weights"]
+    step = stages["step_peak"] - stages["allocated"]
+    step_ledger = lines["step activations"] + lines["logits"]
+    print(f"\n{dtype}: torch runtime: RSS +{runtime / MIB:.1f} MiB, ledger "
+          f"{lines['torch runtime'] / MIB:.1f}; weights and tokenizer: RSS +{weights / MIB:.1f}, "
+          f"ledger {weights_ledger / MIB:.1f}; KV pool: RSS +{kv / MIB:.1f}, ledger "
+          f"{ledger['kv_pool_bytes'] / MIB:.1f}; largest step: peak +{step / MIB:.1f}, ledger "
+          f"{step_ledger / MIB:.1f} (activations and logits); pool full: +"
+          f"{(stages['pool_full'] - stages['allocated']) / MIB:.1f}; process at its peaks: "
+          f"load +{(stages['load_peak'] - stages['start']) / MIB:.1f}, steps "
+          f"+{(stages['step_peak'] - stages['start']) / MIB:.1f} from laya imported, replica "
+          f"ledger {ledger['total_bytes'] / MIB:.1f} MiB (its load peak line "
+          f"{lines.get('load peak', 0) / MIB:.1f})")
+    assert close(runtime, lines["torch runtime"], WEIGHTS_TOLERANCE)
+    assert close(weights, weights_ledger, WEIGHTS_TOLERANCE)
+    assert close(kv, ledger["kv_pool_bytes"], KV_TOLERANCE)
+    # The largest step's activations and logits, at their peak, and what stays of them.
+    assert step <= step_ledger * (1 + KV_TOLERANCE)
+    assert close(step, step_ledger, WEIGHTS_TOLERANCE)
+    assert stages["pool_full"] - stages["allocated"] <= step_ledger
+    # The process never above the plan, and its growth since laya was imported never above
+    # the replica's ledger (within the KV pool's tolerance, as every line has its own):
+    # not while loading (int8 quantizes its output head from float32 then, and the peak
+    # holds the file's mapped pages), not while stepping.
+    for peak in (stages["load_peak"], stages["step_peak"]):
+        assert peak <= plan["total_bytes"]
+        assert peak - stages["start"] <= ledger["total_bytes"] * (1 + KV_TOLERANCE)
