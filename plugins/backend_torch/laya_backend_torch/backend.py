@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 class TorchBackend(Backend):
     """Options (``[models.options]``, spec/manifest.md): ``device`` ("cpu" or "cuda"),
     ``dtype`` ("auto", "float32", "bfloat16", "float16"), ``quantize`` ("none" or "int8":
-    weight-only, per output channel), ``threads`` ("auto" or a number), ``compile`` (false,
+    weight-only, per output channel), ``n_threads`` ("auto" or a number), ``compile`` (false,
     or true for torch.compile)."""
 
     name = "torch"
@@ -83,9 +83,12 @@ class TorchBackend(Backend):
         self._samplers: dict[int, Any] = {}
         self._runtime = {
             "device": chosen.device, "dtype": chosen.dtype, "dtype_reason": chosen.reason,
-            "quantize": chosen.quantize, "threads": chosen.threads, "compile": chosen.compile,
+            "quantize": chosen.quantize, "n_threads": chosen.threads, "compile": chosen.compile,
             "torch": torch.__version__, "cpu_capability": options.cpu_capability(),
             "checkpoint": checkpoint.description,
+            # Whether a sequence's logits are the same bits in any batch (quant.two_rows):
+            # the 16-bit CPU kernels give that; float32's change with the row count.
+            "batch_invariant": chosen.device == "cpu" and chosen.dtype != "float32",
         }
         info = tok.info
         return ModelInfo(
@@ -114,8 +117,9 @@ class TorchBackend(Backend):
         runtime = dict(getattr(self, "_runtime", {}))
         governor = getattr(self, "_governor", None)
         if governor is not None:
-            runtime.update(threads=governor.threads, threads_mode="auto",
-                           threads_max=governor.max_threads, threads_drops=governor.num_drops)
+            runtime.update(n_threads=governor.threads, n_threads_mode="auto",
+                           n_threads_max=governor.max_threads,
+                           n_threads_drops=governor.num_drops)
         return runtime
 
     def start_sequence(self, seq_id: int, params: SamplingParams) -> None:
@@ -146,14 +150,14 @@ class TorchBackend(Backend):
                 rows.append(first + len(item.tokens) - 1)
             first += len(item.tokens)
         batch = build_batch(((list(it.tokens), it.start_pos, list(it.block_table))
-                             for it in items), rows, self._block_size)
+                             for it in items), rows, self._block_size).to(self._device)
         with torch.inference_mode():
             logits = self._run(batch)
             scores = {i: self._score(logits[at:at + len(items[i].score_targets)],
                                      items[i]) for i, at in scored}
             picks: list[Sample | str] = []
             if sampled:
-                index = torch.tensor(sample_at, dtype=torch.long)
+                index = torch.tensor(sample_at, dtype=torch.long, device=logits.device)
                 picks = sample_rows(logits[index], [self._samplers[items[i].seq_id]
                                                     for i in sampled],
                                     [items[i].allowed_tokens for i in sampled])
@@ -186,7 +190,7 @@ class TorchBackend(Backend):
         the model's raw distribution."""
         torch = self._torch
         logp = torch.log_softmax(logits.double(), dim=-1)
-        targets = torch.tensor(list(item.score_targets), dtype=torch.long)
+        targets = torch.tensor(list(item.score_targets), dtype=torch.long, device=logp.device)
         chosen = logp.gather(1, targets[:, None])[:, 0]
         ranks = (logp > chosen[:, None]).sum(dim=1) + 1
         tops: list[tuple[tuple[int, float], ...]] = [()] * len(targets)
