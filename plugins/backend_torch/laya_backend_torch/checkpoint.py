@@ -278,7 +278,8 @@ def _hf_config(where: Path, cfg: dict[str, Any], gen: dict[str, Any],
     if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias"):
         raise CheckpointError(f"{where}: only a SiLU MLP without biases is supported")
     try:
-        params: dict[str, Any] = dict(cfg.get("rope_parameters") or {})  # transformers 5's form, theta inside
+        # transformers 5's form, theta inside
+        params: dict[str, Any] = dict(cfg.get("rope_parameters") or {})
         theta = float(cfg.get("rope_theta", params.get("rope_theta", 10000.0)))
         scaling = {k: v for k, v in dict(cfg.get("rope_scaling") or params).items()
                    if k != "rope_theta"}
