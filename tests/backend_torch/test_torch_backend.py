@@ -19,6 +19,10 @@ from laya_core.engine import Engine
 from laya_core.plugins import load_registry
 from laya_core.types import FinishReason, SamplingParams
 
+from torch_fixtures import *  # noqa: E402, F403 - the fixtures (torch_fixtures.py)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 PROMPTS = [
     "The capital of France is",
     "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",

@@ -11,6 +11,10 @@ from laya_backend_torch.tokenizer import HFTokenizer, load_tokenizer
 
 from laya_core.builtin.model_paths import embedded_file
 
+from torch_fixtures import *  # noqa: E402, F403 - the fixtures (torch_fixtures.py)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 PROMPTS = [
     "The capital of France is",
     "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",

@@ -1,5 +1,10 @@
-"""The embedded model as a Hugging Face checkpoint, for the torch backend's tests: exported
-once per session with ``laya-export-hf``, and loaded by transformers as the reference."""
+"""Fixtures of the torch backend's tests, star-imported by the modules that use them: the
+embedded model as a Hugging Face checkpoint (exported with ``laya-export-hf``, loaded by
+transformers as the reference), and one torch thread on the test's thread
+(``pytestmark = pytest.mark.usefixtures("one_torch_thread")``).
+
+Not a conftest.py: the integration tests import the top-level one as ``conftest``, and a
+second conftest.py here would take that name when both folders are collected."""
 
 from __future__ import annotations
 
@@ -11,8 +16,10 @@ import pytest
 
 from laya_core.builtin.model_paths import embedded_file
 
+__all__ = ["hf_export_dir", "hf_model", "one_torch_thread"]
 
-@pytest.fixture(autouse=True)
+
+@pytest.fixture
 def one_torch_thread() -> Iterator[None]:
     """transformers runs on the test's thread with one torch thread. OpenMP's thread count
     is per calling thread (the engine sets its own), and two threads beside another busy
