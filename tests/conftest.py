@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -104,6 +105,26 @@ SMOLLM_BACKENDS = ("llamacpp", "torch")
 
 def smollm_manifest(backend: str) -> str:
     return SMOLLM_MANIFEST.replace('backend = "llamacpp"', f'backend = "{backend}"')
+
+
+# What makes each backend's greedy output exactly repeatable (docs/architecture.md,
+# "Determinism"): a fixed thread count, and llama.cpp's flash attention off, or torch's
+# 16-bit kernels, whose rows are the same bits in any batch (/ready's batch_invariant; its
+# float32 kernels are not). One torch thread: two beside a busy process (this one's
+# references, other tests) decode four times slower (spec/manifest.md, n_threads).
+REPEATABLE_OPTIONS = {"llamacpp": "flash_attn = false\nn_threads = 2\n",
+                      "torch": 'dtype = "bfloat16"\nn_threads = 1\n'}
+
+
+def repeatable_manifest(backend: str) -> str:
+    """``smollm_manifest(backend)`` with the options for exact repeatability."""
+    return smollm_manifest(backend) + "[models.options]\n" + REPEATABLE_OPTIONS[backend]
+
+
+def runtime(server: ServerProcess) -> dict[str, Any]:
+    """What the backend of a one-replica server says under /ready's ``runtime``."""
+    (replica,) = httpx.get(f"{server.url}/ready").json()["replicas"]
+    return dict(replica["runtime"])
 
 
 @pytest.fixture(scope="session", params=SMOLLM_BACKENDS)

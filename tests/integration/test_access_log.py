@@ -1,4 +1,7 @@
-"""The access log of a real server: one line per request, streams included, refusals too."""
+"""The access log of a real server: one line per request, streams included, refusals too.
+
+A test whose requests reach the model runs on every backend's server; one refused before
+that runs on llama.cpp's alone."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import SMOLLM_MANIFEST, ServerProcess, serving
+from conftest import SMOLLM_BACKENDS, ServerProcess, serving, smollm_manifest
 
 KEY = "sk-access-log-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -35,11 +38,19 @@ def logged(server: ServerProcess, path: str) -> list[dict[str, str]]:
     return [line for line in access_lines(server) if line["path"] == path]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """API keys on, so that a 401 from the key check is among the lines."""
-    manifest = SMOLLM_MANIFEST.replace("[server]\n", f'[server]\napi_keys = ["{KEY}"]\n')
-    s = ServerProcess(manifest, tmp_path_factory.mktemp("access_log"))
+on_every_backend = pytest.mark.parametrize("server", SMOLLM_BACKENDS, indirect=True)
+
+
+@pytest.fixture(scope="module", params=["llamacpp"])
+def server(request: pytest.FixtureRequest,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """API keys on, so that a 401 from the key check is among the lines; llama.cpp unless a
+    test asks for every backend."""
+    backend = request.param
+    manifest = smollm_manifest(backend).replace("[server]\n",
+                                                f'[server]\napi_keys = ["{KEY}"]\n')
+    s = ServerProcess(manifest, tmp_path_factory.mktemp(f"access_log_{backend}"))
+    s.backend = backend
     try:
         s.wait_ready(api_key=KEY)
         yield s
@@ -52,6 +63,7 @@ def ms(value: str) -> float:
     return float(value)
 
 
+@on_every_backend
 def test_a_completion_is_logged_once_with_its_tokens_and_times(server: ServerProcess) -> None:
     r = httpx.post(f"{server.url}/v1/completions", headers=AUTH, timeout=60, json={
         "model": "smollm2", "prompt": "1, 2, 3,", "max_tokens": 5, "temperature": 0})
@@ -68,6 +80,7 @@ def test_a_completion_is_logged_once_with_its_tokens_and_times(server: ServerPro
     assert ms(line["total_ms"]) >= ms(line["prefill_ms"]) + ms(line["decode_ms"])
 
 
+@on_every_backend
 def test_a_stream_is_logged_once_when_it_ends(server: ServerProcess) -> None:
     body = {"model": "smollm2", "messages": [{"role": "user", "content": "Say hello."}],
             "max_tokens": 8, "temperature": 0, "stream": True,
@@ -85,6 +98,7 @@ def test_a_stream_is_logged_once_when_it_ends(server: ServerProcess) -> None:
     assert ms(line["decode_ms"]) > 0 and "disconnected" not in line
 
 
+@on_every_backend
 def test_a_stream_the_client_left_is_logged_as_disconnected(server: ServerProcess) -> None:
     before = len(logged(server, "/v1/completions"))
     body = {"model": "smollm2", "prompt": "Tell a long story.", "max_tokens": 400,
@@ -135,8 +149,9 @@ def test_a_refused_completion_is_logged_with_its_status(server: ServerProcess) -
     assert lines[-1]["status"] == "400" and "completion_tokens" not in lines[-1]
 
 
-def test_no_access_log_when_switched_off(tmp_path: Path) -> None:
-    manifest = SMOLLM_MANIFEST.replace("[server]\n", "[server]\naccess_log = false\n")
+@pytest.mark.parametrize("backend", SMOLLM_BACKENDS)
+def test_no_access_log_when_switched_off(tmp_path: Path, backend: str) -> None:
+    manifest = smollm_manifest(backend).replace("[server]\n", "[server]\naccess_log = false\n")
     with serving(manifest, tmp_path) as server:
         r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
             "model": "smollm2", "prompt": "Hi", "max_tokens": 2})

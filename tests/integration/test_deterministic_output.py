@@ -1,5 +1,6 @@
-"""With flash_attn = false, a greedy request's tokens and log-probabilities are the same
-alone, from the prefix cache and beside other requests, at any prompt length.
+"""With the options for exact repeatability (llama.cpp: flash_attn = false; torch: a 16-bit
+dtype) and fixed threads, a greedy request's tokens and log-probabilities are the same alone,
+from the prefix cache and beside other requests, at any prompt length, on either backend.
 
 These are the red-team reproductions: a prefix-cache hit answered "...(1)" where the first
 answer was "...Meeting 1", and a 610-token prompt gave other text beside three decoding
@@ -20,18 +21,22 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import SMOLLM_MANIFEST, ServerProcess, serving
+from conftest import SMOLLM_BACKENDS, ServerProcess, repeatable_manifest, runtime, serving
 
-# The session server's model, with exact repeatability switched on.
-MANIFEST = SMOLLM_MANIFEST + "[models.options]\nflash_attn = false\nn_threads = 2\n"
 MEETING = ("The following is a detailed transcript of a meeting about the quarterly budget, "
            "covering marketing, engineering, sales and support expenses, with action items for "
            "each department. ")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with serving(MANIFEST, Path(tmp_path_factory.mktemp("deterministic"))) as s:
+@pytest.fixture(scope="module", params=SMOLLM_BACKENDS)
+def server(request: pytest.FixtureRequest,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    backend = request.param
+    with serving(repeatable_manifest(backend),
+                 Path(tmp_path_factory.mktemp(f"deterministic_{backend}"))) as s:
+        s.backend = backend
+        # torch promises the same bits in any batch in 16 bits only: hold it to that here.
+        assert runtime(s).get("batch_invariant", True), runtime(s)
         yield s
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ServerProcess, free_port
+from conftest import SMOLLM_BACKENDS, ServerProcess, free_port
 from hostile_gguf import embedded, with_metadata
 
 LOOP_FOREVER = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
@@ -40,18 +40,20 @@ def model_with_template(tmp_path: Path, name: str, template: str) -> Path:
                          template, "str")
 
 
-def manifest(*models: tuple[str, Path | str]) -> str:
+def manifest(backend: str, *models: tuple[str, Path | str]) -> str:
     body = '[server]\nhost = "127.0.0.1"\nport = {port}\n'
     for name, path in models:
-        body += (f'\n[[models]]\nname = "{name}"\npath = "{path}"\nmax_seq_len = 512\n'
-                 "max_num_seqs = 2\n")
+        body += (f'\n[[models]]\nname = "{name}"\nbackend = "{backend}"\npath = "{path}"\n'
+                 "max_seq_len = 512\nmax_num_seqs = 2\n")
     return body
 
 
-def test_a_template_that_never_finishes_is_refused_at_load(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", SMOLLM_BACKENDS)
+def test_a_template_that_never_finishes_is_refused_at_load(tmp_path: Path,
+                                                           backend: str) -> None:
     path = model_with_template(tmp_path, "loop", LOOP_FOREVER)
-    (tmp_path / "laya.toml").write_text(manifest(("loop", path)).replace("{port}",
-                                                                         str(free_port())))
+    (tmp_path / "laya.toml").write_text(manifest(backend, ("loop", path))
+                                        .replace("{port}", str(free_port())))
     started = time.monotonic()
     run = subprocess.run([sys.executable, "-m", "laya_core.cli", "serve",
                           str(tmp_path / "laya.toml")], capture_output=True, text=True,
@@ -63,12 +65,14 @@ def test_a_template_that_never_finishes_is_refused_at_load(tmp_path: Path) -> No
     assert time.monotonic() - started < 60
 
 
-@pytest.fixture(scope="module")
-def two_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+@pytest.fixture(scope="module", params=SMOLLM_BACKENDS)
+def two_models(request: pytest.FixtureRequest,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """A server of a well-behaved model, one whose template loops on "boom", and one whose
-    template never finishes (refused at load)."""
-    tmp = tmp_path_factory.mktemp("hostile_templates")
-    server = ServerProcess(manifest(("good", "embedded:smollm2-135m-instruct"),
+    template never finishes (refused at load), on each backend."""
+    tmp = tmp_path_factory.mktemp(f"hostile_templates_{request.param}")
+    server = ServerProcess(manifest(request.param,
+                                    ("good", "embedded:smollm2-135m-instruct"),
                                     ("boom", model_with_template(tmp, "boom", BOOM)),
                                     ("loop", model_with_template(tmp, "loop", LOOP_FOREVER))),
                            tmp)

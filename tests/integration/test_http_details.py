@@ -1,5 +1,8 @@
 """HTTP details against real servers: error types of every status, 405 with Allow, CORS,
-and /metrics with or without the API key. Clients: httpx, raw sockets and the openai SDK."""
+and /metrics with or without the API key. Clients: httpx, raw sockets and the openai SDK.
+
+A test whose requests reach the model runs on every backend's server; one refused before
+that runs on llama.cpp's alone."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import ServerProcess
+from conftest import SMOLLM_BACKENDS, ServerProcess
 
 from laya_core.http.errors import error_type
 
@@ -24,6 +27,7 @@ ORIGIN = "https://app.example.com"
 MODEL = """
 [[models]]
 name = "{name}"
+backend = "{backend}"
 path = "embedded:smollm2-135m-instruct"
 max_seq_len = 256
 max_num_seqs = {max_num_seqs}
@@ -37,7 +41,7 @@ port = {{port}}
 api_keys = ["{KEY}"]
 max_body_bytes = 1024
 body_timeout_s = 0.5
-""" + MODEL.format(name="smollm2", max_num_seqs=2, max_queue=64)
+""" + MODEL.format(name="smollm2", max_num_seqs=2, max_queue=64, backend="{backend}")
 # CORS for one origin, /metrics open; "full" runs one request and queues one: the third
 # at once gets a 429.
 BROWSER = f"""
@@ -47,8 +51,8 @@ port = {{port}}
 api_keys = ["{KEY}"]
 cors_origins = ["{ORIGIN}"]
 metrics_need_api_key = false
-""" + MODEL.format(name="smollm2", max_num_seqs=2, max_queue=64) + MODEL.format(
-    name="full", max_num_seqs=1, max_queue=1)
+""" + MODEL.format(name="smollm2", max_num_seqs=2, max_queue=64, backend="{backend}") \
+    + MODEL.format(name="full", max_num_seqs=1, max_queue=1, backend="{backend}")
 CHAT = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 
 
@@ -75,15 +79,28 @@ def _ready(server: ServerProcess) -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
-def plain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with serving_with_key(PLAIN, tmp_path_factory.mktemp("plain")) as server:
+# The fixtures serve llama.cpp unless a test asks for every backend with this.
+def on_every_backend(fixture: str) -> pytest.MarkDecorator:
+    return pytest.mark.parametrize(fixture, SMOLLM_BACKENDS, indirect=True)
+
+
+@pytest.fixture(scope="module", params=["llamacpp"])
+def plain(request: pytest.FixtureRequest,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    backend = request.param
+    with serving_with_key(PLAIN.replace("{backend}", backend),
+                          tmp_path_factory.mktemp(f"plain_{backend}")) as server:
+        server.backend = backend
         yield server
 
 
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with serving_with_key(BROWSER, tmp_path_factory.mktemp("browser")) as server:
+@pytest.fixture(scope="module", params=["llamacpp"])
+def browser(request: pytest.FixtureRequest,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    backend = request.param
+    with serving_with_key(BROWSER.replace("{backend}", backend),
+                          tmp_path_factory.mktemp(f"browser_{backend}")) as server:
+        server.backend = backend
         yield server
 
 
@@ -158,12 +175,13 @@ def test_the_openai_client_sees_the_405_and_404_objects(plain: ServerProcess) ->
         assert nf.value.type == "invalid_request_error" and nf.value.code == "model_not_found"
 
 
+@on_every_backend("plain")
 def test_without_cors_no_cors_headers_and_metrics_need_the_key(plain: ServerProcess) -> None:
     r = httpx.options(f"{plain.url}/v1/chat/completions", headers={
         "Origin": ORIGIN, "Access-Control-Request-Method": "POST"})
     assert r.status_code == 401  # no CORS: a preflight is a plain unauthenticated request
     r = httpx.post(f"{plain.url}/v1/chat/completions", headers={**AUTH, "Origin": ORIGIN},
-                   json=CHAT)
+                   json=CHAT, timeout=60)
     assert r.status_code == 200
     assert not [h for h in r.headers if h.startswith("access-control-")]
     assert httpx.get(f"{plain.url}/metrics").status_code == 401
@@ -198,9 +216,11 @@ def exposed(r: httpx.Response) -> set[str]:
     return {h.strip().lower() for h in r.headers["access-control-expose-headers"].split(",")}
 
 
+@on_every_backend("browser")
 def test_cross_origin_responses_carry_cors_headers(browser: ServerProcess) -> None:
     headers = {**AUTH, "Origin": ORIGIN}
-    r = httpx.post(f"{browser.url}/v1/chat/completions", headers=headers, json=CHAT)
+    r = httpx.post(f"{browser.url}/v1/chat/completions", headers=headers, json=CHAT,
+                   timeout=60)
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
     assert "server-timing" in r.headers and "origin" in r.headers["vary"].lower()
     assert {"server-timing", "retry-after", "www-authenticate"} <= exposed(r)
@@ -212,7 +232,7 @@ def test_cross_origin_responses_carry_cors_headers(browser: ServerProcess) -> No
     error_of(full, 429, "rate_limit_error", "queue_full")
     assert full.headers["access-control-allow-origin"] == ORIGIN
     assert "retry-after" in full.headers and "retry-after" in exposed(full)
-    other = httpx.post(f"{browser.url}/v1/chat/completions", json=CHAT,
+    other = httpx.post(f"{browser.url}/v1/chat/completions", json=CHAT, timeout=60,
                        headers={**AUTH, "Origin": "https://evil.example.org"})
     assert "access-control-allow-origin" not in other.headers
 
@@ -243,6 +263,7 @@ def waiting_on_full(url: str) -> int:
     return sum(r["waiting"] for r in replicas if r["model"] == "full")
 
 
+@on_every_backend("browser")
 def test_the_openai_client_from_an_origin(browser: ServerProcess) -> None:
     with openai.OpenAI(base_url=f"{browser.url}/v1", api_key=KEY, max_retries=0,
                        default_headers={"Origin": ORIGIN}) as client:
@@ -264,10 +285,12 @@ def test_metrics_open_when_the_manifest_says_so(browser: ServerProcess) -> None:
     assert httpx.get(f"{browser.url}/v1/models").status_code == 401
 
 
+@on_every_backend("browser")
 def test_streams_carry_cors_headers(browser: ServerProcess) -> None:
     started = time.monotonic()
     with httpx.stream("POST", f"{browser.url}/v1/chat/completions",
-                      headers={**AUTH, "Origin": ORIGIN}, json={**CHAT, "stream": True}) as r:
+                      headers={**AUTH, "Origin": ORIGIN}, json={**CHAT, "stream": True},
+                      timeout=60) as r:
         assert r.headers["access-control-allow-origin"] == ORIGIN
         assert r.read().rstrip().endswith(b"data: [DONE]")
     assert time.monotonic() - started < 30

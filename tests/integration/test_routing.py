@@ -19,6 +19,7 @@ impl = "%s"
 
 [[models]]
 name = "smollm2"
+backend = "%s"
 path = "embedded:smollm2-135m-instruct"
 max_seq_len = 2048
 max_num_seqs = 2
@@ -57,12 +58,16 @@ def converse(url: str) -> tuple[list[float], int]:
     return later, sum(r["prefix_cache_hits"] for r in replicas)
 
 
-@pytest.mark.parametrize("impl", ["cpp", "python"])
-def test_prefix_routing_reuses_every_later_turn(tmp_path: Path, impl: str) -> None:
+# Both routers on llama.cpp, and the C++ one (the default) on torch too: the backend decides
+# nothing here but what a replica's prefix cache holds.
+@pytest.mark.parametrize(("impl", "backend"), [("cpp", "llamacpp"), ("python", "llamacpp"),
+                                               ("cpp", "torch")])
+def test_prefix_routing_reuses_every_later_turn(tmp_path: Path, impl: str,
+                                                backend: str) -> None:
     results = {}
     for policy in ("prefix", "round_robin"):
         (tmp_path / policy).mkdir()
-        server = ServerProcess(MANIFEST % (impl, policy), tmp_path / policy)
+        server = ServerProcess(MANIFEST % (impl, backend, policy), tmp_path / policy)
         try:
             server.wait_ready()
             results[policy] = converse(server.url)
@@ -70,7 +75,7 @@ def test_prefix_routing_reuses_every_later_turn(tmp_path: Path, impl: str) -> No
             assert server.stop() == 0, server.log()
     later, hits = results["prefix"]
     rr_later, rr_hits = results["round_robin"]
-    print(f"\n[{impl}] later turns' queue+prefill: prefix routing "
+    print(f"\n[{impl}, {backend}] later turns' queue+prefill: prefix routing "
           f"{sum(later) / len(later):.0f} ms avg ({hits} prefix hits), round robin "
           f"{sum(rr_later) / len(rr_later):.0f} ms avg ({rr_hits} prefix hits)")
     assert hits == 4  # turns 2 and 3 of both conversations found their prefix

@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 import httpx
-from conftest import ServerProcess, free_port
+import pytest
+from conftest import SMOLLM_BACKENDS, ServerProcess, free_port
 from hostile_gguf import embedded, with_metadata
 
 from laya_core.units import fmt_bytes
@@ -26,14 +27,21 @@ access_log = false
 
 [[models]]
 name = "smollm2"
+backend = "{backend}"
 path = "embedded:smollm2-135m-instruct"
 max_seq_len = 256
 max_num_seqs = 2
 replicas = 2
 """
-LOAD = re.compile(r"smollm2 replica (\d) ready in (\d+\.\d) s: weights ([\d.]+ MiB), "
-                  r"KV pool ([\d.]+ [KM]iB) \((\d+) tokens\), planned ([\d.]+ MiB), "
-                  r"process resident ([\d.]+ MiB); cpu ")
+# A load line ends with the backend's runtime, whose first key is this.
+FIRST_RUNTIME_KEY = {"llamacpp": "cpu", "torch": "device"}
+SMOLLM2_PARAMETERS = 134.5e6  # the torch backend keeps each, dequantized, in its dtype
+
+
+def load_line(backend: str) -> re.Pattern[str]:
+    return re.compile(r"smollm2 replica (\d) ready in (\d+\.\d) s: weights ([\d.]+ MiB), "
+                      r"KV pool ([\d.]+ [KM]iB) \((\d+) tokens\), planned ([\d.]+ [MG]iB), "
+                      rf"process resident ([\d.]+ [MG]iB); {FIRST_RUNTIME_KEY[backend]} ")
 
 
 def wait_for_line(server: ServerProcess, needle: str, timeout: float = 10) -> None:
@@ -43,8 +51,10 @@ def wait_for_line(server: ServerProcess, needle: str, timeout: float = 10) -> No
         time.sleep(0.05)
 
 
-def test_the_log_tells_the_load_the_ready_moment_and_the_shutdown(tmp_path: Path) -> None:
-    server = ServerProcess(MANIFEST, tmp_path)
+@pytest.mark.parametrize("backend", SMOLLM_BACKENDS)
+def test_the_log_tells_the_load_the_ready_moment_and_the_shutdown(tmp_path: Path,
+                                                                  backend: str) -> None:
+    server = ServerProcess(MANIFEST.replace("{backend}", backend), tmp_path)
     server.wait_ready()
     replicas = httpx.get(f"{server.url}/ready").json()["replicas"]
     wait_for_line(server, " ready in ")
@@ -60,28 +70,36 @@ def test_the_log_tells_the_load_the_ready_moment_and_the_shutdown(tmp_path: Path
     assert sum("Running on" in line for line in lines) == 1
     assert "loading 2 replica(s) of smollm2" in lines[0] and server.url in lines[0]
 
-    loads = {int(m[1]): m for line in lines if (m := LOAD.search(line))}
+    load_pattern = load_line(backend)
+    loads = {int(m[1]): m for line in lines if (m := load_pattern.search(line))}
     assert sorted(loads) == [0, 1], server.log()
     for replica in replicas:
         load = loads[replica["replica"]]
         assert 0 < float(load[2]) < 60
         assert load[4] == fmt_bytes(replica["kv_pool_bytes"])
         assert int(load[5]) == replica["kv_cache_capacity_tokens"]
-        assert 80 < float(load[3].removesuffix(" MiB")) < 120  # the 92 MiB embedded file
+        weights_mib = float(load[3].removesuffix(" MiB"))
+        if backend == "torch":
+            width = {"bfloat16": 2, "float32": 4}[replica["runtime"]["dtype"]]  # bytes
+            assert abs(weights_mib - SMOLLM2_PARAMETERS * width / 2**20) < 10
+        else:
+            assert 80 < weights_mib < 120  # the 92 MiB embedded file
 
     ready = [i for i, line in enumerate(lines) if f"on {server.url}: smollm2 (2 replicas)" in line]
     assert len(ready) == 1 and re.search(r"laya: ready in \d+\.\d s on ", lines[ready[0]])
-    assert ready[0] > max(i for i, line in enumerate(lines) if LOAD.search(line))
+    assert ready[0] > max(i for i, line in enumerate(lines) if load_pattern.search(line))
     shutdown = [i for i, line in enumerate(lines) if "shutting down" in line]
     assert len(shutdown) == 1 and shutdown[0] > ready[0]
     assert "shutting down (SIGTERM); in-flight requests have up to 30 s" in lines[shutdown[0]]
 
 
-def test_the_shutdown_line_says_no_model_loaded(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", SMOLLM_BACKENDS)
+def test_the_shutdown_line_says_no_model_loaded(tmp_path: Path, backend: str) -> None:
     refusing = with_metadata(embedded(), tmp_path / "refusing.gguf", "tokenizer.chat_template",
                              "{{ raise_exception('this model takes no chats') }}", "str")
     manifest = tmp_path / "laya.toml"
     manifest.write_text(MANIFEST.replace("{port}", str(free_port()))
+                        .replace("{backend}", backend)
                         .replace("embedded:smollm2-135m-instruct", str(refusing))
                         .replace("replicas = 2", "replicas = 1"))
     run = subprocess.run([sys.executable, "-m", "laya_core.cli", "serve", str(manifest)],
