@@ -113,7 +113,7 @@ def smollm_manifest(backend: str) -> str:
 # float32 kernels are not). One torch thread: two beside a busy process (this one's
 # references, other tests) decode four times slower (spec/manifest.md, n_threads).
 REPEATABLE_OPTIONS = {"llamacpp": "flash_attn = false\nn_threads = 2\n",
-                      "torch": 'dtype = "bfloat16"\nn_threads = 1\n'}
+                      "torch": 'dtype = "bfloat16"\nn_threads = 1\ndeterministic = true\n'}
 
 
 def repeatable_manifest(backend: str) -> str:

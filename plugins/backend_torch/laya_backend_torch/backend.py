@@ -74,7 +74,9 @@ class TorchBackend(Backend):
                                      cfg.tie_word_embeddings)
             self._model = LlamaModel(cfg, tensors, self._dtype, self._device, int8=int8,
                                      max_positions=max_positions,
-                                     rope_freqs=getattr(checkpoint, "rope_freqs", None))
+                                     rope_freqs=getattr(checkpoint, "rope_freqs", None),
+                                     attention_dtype=torch.float64 if chosen.deterministic
+                                     else torch.float32)
         memory.release_freed_heap()  # the load's temporaries, so the plan's weights are RSS
         self._vocab = cfg.vocab_size
         self._forward = self._model.forward
@@ -86,9 +88,12 @@ class TorchBackend(Backend):
             "quantize": chosen.quantize, "n_threads": chosen.threads, "compile": chosen.compile,
             "torch": torch.__version__, "cpu_capability": options.cpu_capability(),
             "checkpoint": checkpoint.description,
-            # Whether a sequence's logits are the same bits in any batch (quant.two_rows):
-            # the 16-bit CPU kernels give that; float32's change with the row count.
-            "batch_invariant": chosen.device == "cpu" and chosen.dtype != "float32",
+            # Whether a sequence's logits are the same bits in any batch and chunking: the
+            # 16-bit products give that (quant.two_rows), float32's change with the row
+            # count, and attention needs float64 (deterministic, model._attend).
+            "deterministic": chosen.deterministic,
+            "batch_invariant": chosen.device == "cpu" and chosen.dtype != "float32"
+            and chosen.deterministic,
         }
         info = tok.info
         return ModelInfo(

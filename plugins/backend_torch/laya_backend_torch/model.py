@@ -113,8 +113,10 @@ class LlamaModel:
 
     def __init__(self, config: LlamaConfig, tensors: Iterator[tuple[str, torch.Tensor]],
                  dtype: torch.dtype, device: torch.device, int8: bool = False,
-                 max_positions: int = 4096, rope_freqs: torch.Tensor | None = None) -> None:
+                 max_positions: int = 4096, rope_freqs: torch.Tensor | None = None,
+                 attention_dtype: torch.dtype = torch.float32) -> None:
         self.config, self.dtype, self.device = config, dtype, device
+        self.attention_dtype = attention_dtype
         c = config
         self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         raw: dict[str, torch.Tensor] = {}
@@ -205,22 +207,26 @@ class LlamaModel:
         In float32 whatever the compute dtype: the CPU's bfloat16 attention kernel took 5 to
         8 times as long (one decode over 120 positions: 119 us against 23; eight over 300:
         2.4 ms against 0.31, AMD EPYC, one thread), and q, K and V are small beside the
-        weights."""
-        dtype, q = q.dtype, q.float()
+        weights. The float32 kernel's sums change in their last bits with the number of keys
+        and queries in the call (a decode padded to a longer neighbour, a prompt in other
+        chunks), which 30 layers of bfloat16 turn into other logits; in float64
+        (``deterministic``) those bits stay below what the cast back keeps, at 2 to 3.5
+        times the attention's cost."""
+        dtype, q = q.dtype, q.to(self.attention_dtype)
         out = torch.empty(q.shape[0], self.q_size, dtype=q.dtype, device=q.device)
         kp, vp = self.k_pool[layer], self.v_pool[layer]
         if a.decode_rows is not None:
             assert a.decode_slots is not None
             qd = q[a.decode_rows].unsqueeze(2)  # [B, heads, 1, dim]
-            kd = kp[a.decode_slots].transpose(1, 2).float()  # [B, kv_heads, L, dim]
-            vd = vp[a.decode_slots].transpose(1, 2).float()
+            kd = kp[a.decode_slots].transpose(1, 2).to(q.dtype)  # [B, kv_heads, L, dim]
+            vd = vp[a.decode_slots].transpose(1, 2).to(q.dtype)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=a.decode_mask,
                                                 enable_gqa=True)
             out[a.decode_rows] = od.reshape(len(a.decode_rows), self.q_size)
         for row, n, slots, start in a.chunks:
             qc = q[row:row + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
-            kc = kp[slots].transpose(0, 1).unsqueeze(0).float()  # [1, kv_heads, end, dim]
-            vc = vp[slots].transpose(0, 1).unsqueeze(0).float()
+            kc = kp[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, kv_heads, end, dim]
+            vc = vp[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
             if start == 0:
                 oc = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True,
                                                     enable_gqa=True)

@@ -20,6 +20,7 @@ OPTIONS: dict[str, str] = {
     "quantize": '"none" or "int8"',
     "n_threads": '"auto" or a whole number from 1 to 1024',
     "compile": "true or false",
+    "deterministic": "true or false",
 }
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -33,6 +34,7 @@ def check(name: str, value: object) -> str | None:
         "quantize": value in ("none", "int8"),
         "n_threads": value == "auto" or (type(value) is int and 1 <= value <= 1024),
         "compile": isinstance(value, bool),
+        "deterministic": isinstance(value, bool),
     }[name]
     return None if ok else f"must be {OPTIONS[name]}, not {value!r}"
 
@@ -65,6 +67,8 @@ class Chosen:
     threads: int  # "auto": the physical cores, and a governor lowers it under contention
     auto_threads: bool
     compile: bool
+    # Attention in float64: a sequence's logits the same bits in any batch and chunking.
+    deterministic: bool
 
 
 def cpu_flags() -> frozenset[str]:
@@ -112,4 +116,4 @@ def choose(opts: dict[str, Any]) -> Chosen:
     auto = threads == "auto"
     return Chosen(device, dtype, reason, opts.get("quantize", "none"),
                   physical_cores() if auto else int(threads), auto,
-                  bool(opts.get("compile", False)))
+                  bool(opts.get("compile", False)), bool(opts.get("deterministic", False)))
