@@ -121,6 +121,16 @@ def repeatable_manifest(backend: str) -> str:
     return smollm_manifest(backend) + "[models.options]\n" + REPEATABLE_OPTIONS[backend]
 
 
+@contextlib.contextmanager
+def repeatable_server(backend: str, workdir: Path) -> Iterator[ServerProcess]:
+    """A ready server of ``repeatable_manifest(backend)``, held to its promise: /ready must
+    say a sequence's output does not depend on what runs beside it."""
+    with serving(repeatable_manifest(backend), workdir) as s:
+        s.backend = backend
+        assert runtime(s).get("batch_invariant", True), runtime(s)
+        yield s
+
+
 def runtime(server: ServerProcess) -> dict[str, Any]:
     """What the backend of a one-replica server says under /ready's ``runtime``."""
     (replica,) = httpx.get(f"{server.url}/ready").json()["replicas"]

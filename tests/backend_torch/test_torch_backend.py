@@ -20,15 +20,10 @@ from laya_core.plugins import load_registry
 from laya_core.types import FinishReason, SamplingParams
 
 from torch_fixtures import *  # noqa: E402, F403 - the fixtures (torch_fixtures.py)
+from torch_fixtures import PROMPTS  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-PROMPTS = [
-    "The capital of France is",
-    "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
-    "1, 2, 3, 5, 8, 13, 21,",
-]
 # float32 logits against transformers' float32: the same operations in another order
 # (fused q/k/v and gate/up matrices, SDPA over gathered blocks). Measured: 1e-4 at most.
 LOGITS_BOUND = 2e-3

@@ -12,15 +12,10 @@ from laya_backend_torch.tokenizer import HFTokenizer, load_tokenizer
 from laya_core.builtin.model_paths import embedded_file
 
 from torch_fixtures import *  # noqa: E402, F403 - the fixtures (torch_fixtures.py)
+from torch_fixtures import PROMPTS  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-PROMPTS = [
-    "The capital of France is",
-    "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
-    "1, 2, 3, 5, 8, 13, 21,",
-]
 # (compute dtype, int8 weights, KV dtype) -> (least share of positions whose arg-max is
 # float32's, largest KL divergence of a position's distribution from float32's, nats).
 # Measured on the 62 positions of PROMPTS (AMD EPYC): bfloat16 62/62 and 0.013; int8 with

@@ -18,6 +18,14 @@ from laya_core.builtin.model_paths import embedded_file
 
 __all__ = ["hf_export_dir", "hf_model", "one_torch_thread"]
 
+# Prompts the torch tests compare logits on: prose, a chat turn, code and digits.
+PROMPTS = [
+    "The capital of France is",
+    "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "1, 2, 3, 5, 8, 13, 21,",
+]
+
 
 @pytest.fixture
 def one_torch_thread() -> Iterator[None]:

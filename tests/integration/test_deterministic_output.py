@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-from conftest import SMOLLM_BACKENDS, ServerProcess, repeatable_manifest, runtime, serving
+from conftest import SMOLLM_BACKENDS, ServerProcess, repeatable_server
 
 MEETING = ("The following is a detailed transcript of a meeting about the quarterly budget, "
            "covering marketing, engineering, sales and support expenses, with action items for "
@@ -32,11 +31,7 @@ MEETING = ("The following is a detailed transcript of a meeting about the quarte
 def server(request: pytest.FixtureRequest,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     backend = request.param
-    with serving(repeatable_manifest(backend),
-                 Path(tmp_path_factory.mktemp(f"deterministic_{backend}"))) as s:
-        s.backend = backend
-        # torch promises the same bits in any batch in 16 bits only: hold it to that here.
-        assert runtime(s).get("batch_invariant", True), runtime(s)
+    with repeatable_server(backend, tmp_path_factory.mktemp(f"deterministic_{backend}")) as s:
         yield s
 
 

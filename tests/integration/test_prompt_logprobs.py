@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import openai
 import pytest
-from conftest import SMOLLM_BACKENDS, ServerProcess, repeatable_manifest, runtime, serving
+from conftest import SMOLLM_BACKENDS, ServerProcess, repeatable_server, runtime
 
 from laya_core.builtin.model_paths import embedded_file
 
@@ -39,10 +38,7 @@ Reference = Callable[[list[int]], np.ndarray]  # tokens -> log_softmax [tokens, 
 def server(request: pytest.FixtureRequest,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     backend = request.param
-    with serving(repeatable_manifest(backend),
-                 Path(tmp_path_factory.mktemp(f"prompt_logprobs_{backend}"))) as s:
-        s.backend = backend
-        assert runtime(s).get("batch_invariant", True), runtime(s)  # neighbours bit for bit
+    with repeatable_server(backend, tmp_path_factory.mktemp(f"prompt_logprobs_{backend}")) as s:
         yield s
 
 
