@@ -63,7 +63,11 @@ def test_rss_matches_the_ledger(dtype: str, reports: dict[str, dict[str, Any]]) 
           f"+{(stages['step_peak'] - stages['start']) / MIB:.1f} from laya imported, replica "
           f"ledger {ledger['total_bytes'] / MIB:.1f} MiB (its load peak line "
           f"{lines.get('load peak', 0) / MIB:.1f})")
-    assert close(runtime, lines["torch runtime"], WEIGHTS_TOLERANCE)
+    # libtorch's code is mapped from its files, resident as far as the page cache lets the
+    # kernel map pages around each fault: 209 to 283 MiB measured. The line is the most
+    # measured, so it must hold the runtime, and not overstate it by more than that spread.
+    assert 0.7 * lines["torch runtime"] <= runtime \
+        <= lines["torch runtime"] * (1 + WEIGHTS_TOLERANCE)
     assert close(weights, weights_ledger, WEIGHTS_TOLERANCE)
     assert close(kv, ledger["kv_pool_bytes"], KV_TOLERANCE)
     # The largest step's activations and logits, at their peak, and what stays of them.
