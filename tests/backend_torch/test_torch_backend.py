@@ -62,12 +62,12 @@ def model_of(engine: Engine) -> LlamaModel:
 def own_pool(model: LlamaModel) -> Iterator[None]:
     """A KV pool of its own for direct forward passes, so that the engine's cached blocks
     stay as its KV manager knows them (the engine is idle between tests)."""
-    pools = model.k_pool, model.v_pool
+    pool = model.kv_pool
     model.allocate_kv(64 * 16, torch.float32)
     try:
         yield
     finally:
-        model.k_pool, model.v_pool = pools
+        model.kv_pool = pool
 
 
 def solo_logits(model: LlamaModel, ids: list[int], table: list[int]) -> torch.Tensor:

@@ -21,7 +21,7 @@ def torch_model(**options: object) -> dict:
 @pytest.mark.parametrize(("options", "key", "words"), [
     ({"dtype": "float64"}, "models[0].options.dtype", '"auto", "float32"'),
     ({"device": "tpu"}, "models[0].options.device", '"cpu" or "cuda"'),
-    ({"quantize": "int4"}, "models[0].options.quantize", '"none" or "int8"'),
+    ({"quantize": "int2"}, "models[0].options.quantize", '"none", "int8" or "int4"'),
     ({"n_threads": 0}, "models[0].options.n_threads", "from 1 to 1024"),
     ({"compile": "yes"}, "models[0].options.compile", "true or false"),
     ({"threads": 2}, "models[0].options.threads", ""),

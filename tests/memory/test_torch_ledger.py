@@ -1,5 +1,5 @@
 """The torch backend's ledger checked against reality: RSS, and its peaks, of a process that
-loads the embedded model in float32, bfloat16 and int8 (torch_rss_stages.py)."""
+loads the embedded model in float32, bfloat16, int8 and int4 (torch_rss_stages.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ from test_ledger_vs_rss import KV_TOLERANCE, WEIGHTS_TOLERANCE  # the same as ll
 
 MODEL = {"name": "smollm2", "path": "embedded:smollm2-135m-instruct", "backend": "torch",
          "max_seq_len": 256, "max_num_seqs": 4, "max_step_tokens": 128}
-# One thread each: the three run at once, and the plan's runtime line counts threads.
+# One thread each: the four run at once, and the plan's runtime line counts threads.
 DTYPES = {"float32": {"dtype": "float32", "n_threads": 1},
           "bfloat16": {"dtype": "bfloat16", "n_threads": 1},
-          "int8": {"dtype": "bfloat16", "quantize": "int8", "n_threads": 1}}
+          "int8": {"dtype": "bfloat16", "quantize": "int8", "n_threads": 1},
+          "int4": {"dtype": "bfloat16", "quantize": "int4", "n_threads": 1}}
 MIB = 2**20
 
 

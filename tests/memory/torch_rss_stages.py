@@ -53,7 +53,7 @@ def _status(field: str) -> int:
 
 
 def warm_up(config: ModelConfig) -> None:
-    """Run torch's kernels once, as this replica will (dtype, int8, threads), on a one-layer
+    """Run torch's kernels once, as this replica will (dtype, quantize, threads), on a one-layer
     model with a 256-token vocabulary: what libtorch costs with nothing of the model loaded."""
     import torch
 
@@ -69,7 +69,7 @@ def warm_up(config: ModelConfig) -> None:
                for name, shape in tiny.tensor_shapes().items())
     with torch.inference_mode():
         model = LlamaModel(tiny, tensors, getattr(torch, chosen.dtype), torch.device("cpu"),
-                           int8=chosen.quantize == "int8", max_positions=64)
+                           quantize=chosen.quantize, max_positions=64)
         model.allocate_kv(64, torch.float16)
         model.forward(build_batch([(list(range(20)), 0, [0, 1])], [18, 19], BLOCK_SIZE))
         logits = model.forward(build_batch([([5], 20, [0, 1]), ([6], 0, [2])], [0, 1],

@@ -26,8 +26,9 @@ log = logging.getLogger(__name__)
 
 class TorchBackend(Backend):
     """Options (``[models.options]``, spec/manifest.md): ``device`` ("cpu" or "cuda"),
-    ``dtype`` ("auto", "float32", "bfloat16", "float16"), ``quantize`` ("none" or "int8":
-    weight-only, per output channel), ``n_threads`` ("auto" or a number), ``compile`` (false,
+    ``dtype`` ("auto", "float32", "bfloat16", "float16"), ``quantize`` ("none", "int8":
+    weight-only, per output channel, or "int4": the layers' matrices in groups of 32, a Q4_1
+    file's own 4-bit weights), ``n_threads`` ("auto" or a number), ``compile`` (false,
     or true for torch.compile)."""
 
     name = "torch"
@@ -68,11 +69,12 @@ class TorchBackend(Backend):
         cfg = checkpoint.config
         self._tokenizer = tok = load_tokenizer(self.config.path)
         max_positions = max(self.config.max_seq_len or 4096, 16)
-        int8 = chosen.quantize == "int8"
         with torch.inference_mode():
-            tensors = memory.as_kept(checkpoint.tensors(), self._dtype, int8,
+            tensors = memory.as_kept(checkpoint.tensors(), self._dtype,
+                                     chosen.quantize != "none",
                                      cfg.tie_word_embeddings)
-            self._model = LlamaModel(cfg, tensors, self._dtype, self._device, int8=int8,
+            self._model = LlamaModel(cfg, tensors, self._dtype, self._device,
+                                     quantize=chosen.quantize,
                                      max_positions=max_positions,
                                      rope_freqs=getattr(checkpoint, "rope_freqs", None),
                                      attention_dtype=torch.float64 if chosen.deterministic
@@ -101,7 +103,8 @@ class TorchBackend(Backend):
             eog_token_ids=info.eog_token_ids, chat_template=info.chat_template,
             bos_token=info.bos_token, eos_token=info.eos_token, add_bos=info.add_bos,
             description=f"{cfg.architecture} {cfg.num_layers} layers, {chosen.dtype}"
-                        f"{' int8' if chosen.quantize == 'int8' else ''} on {chosen.device}",
+                        f"{'' if chosen.quantize == 'none' else ' ' + chosen.quantize}"
+                        f" on {chosen.device}",
             special_tokens=tok.special_tokens)
 
     def allocate_kv(self, *, num_tokens: int, max_num_seqs: int) -> None:

@@ -3,14 +3,15 @@ load's part in keeping that true.
 
 The weights are priced as they sit in memory after load, not as stored: a Q4_1 GGUF is
 dequantized, so its matrices cost the compute dtype's bytes, or one byte plus a scale per
-row with ``quantize = "int8"``. The KV pool is priced by the KV dtype. The overheads are one
+row with ``quantize = "int8"``, or half a byte plus a scale and a zero per 32 with
+``quantize = "int4"`` (whose output head is int8). The KV pool is priced by the KV dtype. The overheads are one
 step's activations and its logits (each the peak of the largest step the scheduler may
 make; glibc keeps a step's freed memory for the next, so it stays resident), libtorch, the
 tokenizer, and what the load needs for a moment beyond all of them.
 
 Every constant below was measured with tests/memory/torch_rss_stages.py (RSS and its peak,
 VmHWM, at each stage; torch 2.13.0 CPU, tokenizers 0.23, an AMD EPYC with AVX512-BF16), and
-tests/memory/test_torch_ledger.py checks the ledger against it in float32, bfloat16 and int8.
+tests/memory/test_torch_ledger.py checks the ledger against it in float32, bfloat16, int8 and int4.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from laya_core.backend import ModelConfig
 from laya_core.memory_plan import (MemoryProfile, Overhead, kv_bytes_per_token,
                                    scored_tokens_per_step)
 from laya_core.model_files import ModelShape
+
+from laya_backend_torch.options import INT4_GROUP
 
 if TYPE_CHECKING:
     from laya_backend_torch.checkpoint import LlamaConfig
@@ -84,6 +87,10 @@ def planned_dtype(config: ModelConfig) -> str:
     return "bfloat16" if native_bf16() else "float32"
 
 
+def planned_quantize(config: ModelConfig) -> str:
+    return str(config.options.get("quantize", "none"))
+
+
 def planned_threads(config: ModelConfig) -> int:
     """The torch threads ``options.choose`` will start with."""
     from laya_core.threads import physical_cores
@@ -104,13 +111,22 @@ def weight_bytes(config: ModelConfig, c: LlamaConfig) -> tuple[int, str]:
     if c.attention_bias:
         vectors += c.num_layers * (q + 2 * kv)
     embedding = c.vocab_size * c.hidden_size
-    if config.options.get("quantize", "none") == "int8":
-        # Layers' matrices and the output head in int8 with a bfloat16 scale per row; an
-        # untied input embedding stays dense.
-        scales = c.num_layers * rows + c.vocab_size
+    quantize = planned_quantize(config)
+    if quantize != "none":
+        # The output head in int8 with a bfloat16 scale per row; an untied input embedding
+        # stays dense. The layers' matrices in int8 too, or in int4: half a byte an element
+        # and a bfloat16 scale and zero per 32 (a matrix the int4 kernel cannot take,
+        # quant.int4_fits, is int8: none in the Llama shapes this is planned for).
         dense = 0 if c.tie_word_embeddings else embedding * size
-        total = matrices + embedding + dense + vectors * size + scales * 2
-        return total, f"{dtype} with int8 matrices (one bfloat16 scale per row)"
+        head = embedding + c.vocab_size * 2
+        if quantize == "int8":
+            layers = matrices + c.num_layers * rows * 2
+            how = "int8 matrices (one bfloat16 scale per row)"
+        else:
+            layers = matrices // 2 + matrices // INT4_GROUP * 4
+            how = ("int4 layer matrices (a bfloat16 scale and zero per 32) and an int8 "
+                   "output head")
+        return layers + head + dense + vectors * size, f"{dtype} with {how}"
     embeddings = embedding * (1 if c.tie_word_embeddings else 2)
     return (matrices + embeddings + vectors) * size, f"{dtype}, every tensor"
 
@@ -121,7 +137,7 @@ def activation_bytes(config: ModelConfig, c: LlamaConfig, shape: ModelShape) -> 
     size = _DTYPE_BYTES[planned_dtype(config)]
     width = c.hidden_size + c.intermediate_size
     per_token = 8 * width * size + 8 * c.num_heads * c.head_dim
-    if config.options.get("quantize", "none") == "int8":
+    if planned_quantize(config) != "none":
         per_token += 10 * width
     kv_width = shape.n_kv_heads * (shape.head_dim_k + shape.head_dim_v)
     pool_bytes = kv_bytes_per_token(shape, config.kv_cache_dtype) // (shape.n_layers
@@ -153,7 +169,7 @@ def load_transient_bytes(config: ModelConfig, c: LlamaConfig, weights: int,
     reading = 0
     if not Path(config.path).is_dir():  # a GGUF file's vocabulary
         reading = max(0, c.vocab_size * VOCAB_READ_BYTES_PER_TOKEN - weights - vocabulary)
-    if config.options.get("quantize", "none") != "int8":
+    if planned_quantize(config) == "none":
         return reading
     return max(reading, c.vocab_size * c.hidden_size * INT8_HEAD_TRANSIENT_BYTES)
 
@@ -169,7 +185,7 @@ def memory_profile(config: ModelConfig, shape: ModelShape) -> MemoryProfile:
     vocabulary = TOKENIZER_BYTES + shape.vocab_size * TOKENIZER_BYTES_PER_TOKEN
     threads = planned_threads(config)
     runtime = TORCH_RUNTIME_BYTES + threads * TORCH_RUNTIME_BYTES_PER_THREAD
-    if planned_dtype(config) != "float32" and config.options.get("quantize", "none") != "int8":
+    if planned_dtype(config) != "float32" and planned_quantize(config) == "none":
         runtime += TORCH_RUNTIME_16_BIT_KERNELS_BYTES
     # The load's transient is over before the pool, activations and logits exist; only what
     # they do not cover is planned on top.
@@ -200,19 +216,19 @@ def memory_profile(config: ModelConfig, shape: ModelShape) -> MemoryProfile:
         overheads=tuple(overheads))
 
 
-def as_kept(tensors: Iterator[tuple[str, Any]], dtype: Any, int8: bool,
+def as_kept(tensors: Iterator[tuple[str, Any]], dtype: Any, quantized: bool,
             tied: bool) -> Iterator[tuple[str, Any]]:
     """The checkpoint's tensors, each in the dtype the model keeps it in as soon as it is
-    read (with ``int8``, the matrices it quantizes stay float32), with the heap's freed
+    read (with ``quantized``, the matrices it quantizes stay float32), with the heap's freed
     pages given back after each.
 
     The checkpoint dequantizes to float32 and the model holds a tensor until its layer is
     complete (the embedding until the end), so converting late holds float32 copies; and
     glibc keeps the pages the layers' temporaries freed, which added up to 330 MiB for
     SmolLM2-135M in int8 (128 MiB of weights)."""
-    quantized = ("lm_head.weight", "model.embed_tokens.weight") if tied else ("lm_head.weight",)
+    heads = ("lm_head.weight", "model.embed_tokens.weight") if tied else ("lm_head.weight",)
     for name, tensor in tensors:
-        if not (int8 and (name.endswith("_proj.weight") or name in quantized)):
+        if not (quantized and (name.endswith("_proj.weight") or name in heads)):
             tensor = tensor.to(dtype)
         yield name, tensor
         release_freed_heap()

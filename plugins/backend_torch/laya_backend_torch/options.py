@@ -17,12 +17,14 @@ from laya_core.threads import physical_cores
 OPTIONS: dict[str, str] = {
     "device": '"cpu" or "cuda" (or "cuda:N")',
     "dtype": '"auto", "float32", "bfloat16" or "float16"',
-    "quantize": '"none" or "int8"',
+    "quantize": '"none", "int8" or "int4"',
     "n_threads": '"auto" or a whole number from 1 to 1024',
     "compile": "true or false",
     "deterministic": "true or false",
 }
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+# quantize = "int4": a scale and a zero per this many inputs of a row (GGUF's Q4_1 block).
+INT4_GROUP = 32
 
 
 def check(name: str, value: object) -> str | None:
@@ -31,7 +33,7 @@ def check(name: str, value: object) -> str | None:
         "device": isinstance(value, str) and (value == "cpu" or value == "cuda" or (
             value.startswith("cuda:") and value[5:].isdigit())),
         "dtype": value in _DTYPES,
-        "quantize": value in ("none", "int8"),
+        "quantize": value in ("none", "int8", "int4"),
         "n_threads": value == "auto" or (type(value) is int and 1 <= value <= 1024),
         "compile": isinstance(value, bool),
         "deterministic": isinstance(value, bool),
@@ -112,6 +114,9 @@ def choose(opts: dict[str, Any]) -> Chosen:
     if dtype == "float16" and not device.startswith("cuda"):
         raise RuntimeError('dtype "float16" runs on cuda only; use "bfloat16" or "float32" '
                            "on a CPU")
+    if opts.get("quantize") == "int4" and device != "cpu":
+        raise RuntimeError('quantize "int4" runs on the cpu only (torch\'s int4 kernel there); '
+                           'use "int8" or "none" on cuda')
     threads = opts.get("n_threads", "auto")
     auto = threads == "auto"
     return Chosen(device, dtype, reason, opts.get("quantize", "none"),
