@@ -1,8 +1,9 @@
 """Decode speed of the torch backend against transformers ``generate`` on the same weights.
 
-    python tools/benchmark_torch_decode.py --rounds 3 --threads 2 \\
-        --config float32 --config 'bfloat16:{"dtype": "bfloat16"}' \\
-        --config 'int8:{"dtype": "bfloat16", "quantize": "int8"}'
+    python tools/benchmark_torch_decode.py --rounds 3 --threads 1 \\
+        --config float32 --config 'bfloat16:{"dtype": "bfloat16", "quantize": "none"}' \\
+        --config 'int8:{"dtype": "bfloat16", "quantize": "int8"}' \\
+        --config 'int4:{"dtype": "bfloat16", "quantize": "int4"}'
 
 The embedded model is exported to a Hugging Face folder (``laya-export-hf``) and loaded by
 transformers' LlamaForCausalLM in float32: that is the reference, its single-stream greedy
@@ -127,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     configs = {}
     for spec in args.config:
         name, _, opts = spec.partition(":")
-        configs[name] = json.loads(opts) if opts else {"dtype": name}
+        # A bare dtype name: that dtype, dense (quantize "auto" would keep the file's int4).
+        configs[name] = json.loads(opts) if opts else {"dtype": name, "quantize": "none"}
     with tempfile.TemporaryDirectory() as tmp:
         export(Path(tmp) / "hf")
         reference = LlamaForCausalLM.from_pretrained(Path(tmp) / "hf", dtype=torch.float32)

@@ -28,8 +28,8 @@ STORY = ("Once upon a time, in a small village by the sea, there lived an old fi
 # pass, other thread counts, other rows beside it). With flash attention off
 # llama.cpp's CPU kernels give the same logits either way here (measured, AMD EPYC: 3e-15
 # apart, the float64 arithmetic of the log-softmax); the margin is for CPUs whose kernels
-# differ. torch's 16-bit kernels promise a row the same bits in any batch (/ready's
-# batch_invariant), so its reference is held to the same margin.
+# differ. torch's 16-bit and integer kernels promise a row the same bits in any batch
+# (/ready's batch_invariant), so its reference is held to the same margin.
 TOLERANCE = 1e-4
 Reference = Callable[[list[int]], np.ndarray]  # tokens -> log_softmax [tokens, vocab]
 
@@ -47,7 +47,8 @@ def reference(server: ServerProcess) -> Iterator[Reference]:
     """log_softmax of the model's logits at every position of a prompt, from the server's
     backend run apart, in this process."""
     if server.backend == "torch":
-        yield torch_reference(runtime(server)["dtype"])
+        settings = runtime(server)
+        yield torch_reference(settings["dtype"], settings["quantize"])
         return
     import llama_cpp
 
@@ -67,16 +68,16 @@ def reference(server: ServerProcess) -> Iterator[Reference]:
     llm.close()
 
 
-def torch_reference(dtype: str) -> Reference:
-    """The torch backend's model in the server's dtype with its default f16 KV cache, each
-    prompt in one pass of every row."""
+def torch_reference(dtype: str, quantize: str) -> Reference:
+    """The torch backend's model in the server's dtype and quantization with its default
+    f16 KV cache, each prompt in one pass of every row."""
     import torch
     from laya_backend_torch.checkpoint import open_checkpoint
     from laya_backend_torch.model import LlamaModel, build_batch
 
     checkpoint = open_checkpoint(embedded_file("smollm2-135m-instruct"))
     model = LlamaModel(checkpoint.config, checkpoint.tensors(), getattr(torch, dtype),
-                       torch.device("cpu"), max_positions=512,
+                       torch.device("cpu"), quantize=quantize, max_positions=512,
                        attention_dtype=torch.float64)  # as the server's deterministic
     block_size = 16
     model.allocate_kv(512, torch.float16)

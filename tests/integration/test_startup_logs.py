@@ -35,7 +35,17 @@ replicas = 2
 """
 # A load line ends with the backend's runtime, whose first key is this.
 FIRST_RUNTIME_KEY = {"llamacpp": "cpu", "torch": "device"}
-SMOLLM2_PARAMETERS = 134.5e6  # the torch backend keeps each, dequantized, in its dtype
+# SmolLM2-135M's parameters: its layers' matrices, and its tied embedding (49,152 x 576).
+SMOLLM2_LAYER_MATRICES, SMOLLM2_EMBEDDING = 106.2e6, 28.3e6
+
+
+def torch_weight_bytes(runtime: dict[str, str]) -> float:
+    """What the torch backend keeps of them: in its dtype, or int8 (the layers and head),
+    or int4 layers (half a byte, and a 2-byte scale and zero per 32) with an int8 head."""
+    width = {"bfloat16": 2, "float32": 4}[runtime["dtype"]]
+    layer, head = {"none": (width, width), "int8": (1, 1),
+                   "int4": (0.5 + 4 / 32, 1)}[runtime["quantize"]]
+    return SMOLLM2_LAYER_MATRICES * layer + SMOLLM2_EMBEDDING * head
 
 
 def load_line(backend: str) -> re.Pattern[str]:
@@ -80,8 +90,7 @@ def test_the_log_tells_the_load_the_ready_moment_and_the_shutdown(tmp_path: Path
         assert int(load[5]) == replica["kv_cache_capacity_tokens"]
         weights_mib = float(load[3].removesuffix(" MiB"))
         if backend == "torch":
-            width = {"bfloat16": 2, "float32": 4}[replica["runtime"]["dtype"]]  # bytes
-            assert abs(weights_mib - SMOLLM2_PARAMETERS * width / 2**20) < 10
+            assert abs(weights_mib - torch_weight_bytes(replica["runtime"]) / 2**20) < 10
         else:
             assert 80 < weights_mib < 120  # the 92 MiB embedded file
 

@@ -58,10 +58,10 @@ def warm_up(config: ModelConfig) -> None:
     import torch
 
     from laya_backend_torch import options
-    from laya_backend_torch.checkpoint import read_config
+    from laya_backend_torch.checkpoint import read_config, stored_quantization
     from laya_backend_torch.model import LlamaModel, build_batch
 
-    chosen = options.choose(config.options)
+    chosen = options.choose(config.options, stored_quantization(config.path))
     torch.set_num_threads(chosen.threads)
     tiny = attrs.evolve(read_config(config.path), vocab_size=256, num_layers=1)
     gen = torch.Generator().manual_seed(0)

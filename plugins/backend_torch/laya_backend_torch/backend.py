@@ -26,10 +26,11 @@ log = logging.getLogger(__name__)
 
 class TorchBackend(Backend):
     """Options (``[models.options]``, spec/manifest.md): ``device`` ("cpu" or "cuda"),
-    ``dtype`` ("auto", "float32", "bfloat16", "float16"), ``quantize`` ("none", "int8":
-    weight-only, per output channel, or "int4": the layers' matrices in groups of 32, a Q4_1
-    file's own 4-bit weights), ``n_threads`` ("auto" or a number), ``compile`` (false,
-    or true for torch.compile)."""
+    ``dtype`` ("auto", "float32", "bfloat16", "float16"), ``quantize`` ("auto": a quantized
+    file's own precision on a CPU, "none", "int8": weight-only, per output channel, or
+    "int4": the layers' matrices in groups of 32, a Q4_1 file's own 4-bit weights),
+    ``n_threads`` ("auto" or a number), ``compile`` (false, or true for torch.compile),
+    ``deterministic``."""
 
     name = "torch"
     kv_layout = "paged"
@@ -55,12 +56,12 @@ class TorchBackend(Backend):
     def load_weights(self) -> ModelInfo:
         import torch
 
-        from laya_backend_torch.checkpoint import open_checkpoint
+        from laya_backend_torch.checkpoint import open_checkpoint, stored_quantization
         from laya_backend_torch.model import LlamaModel
         from laya_backend_torch.tokenizer import load_tokenizer
 
         self._torch = torch
-        chosen = options.choose(self.config.options)
+        chosen = options.choose(self.config.options, stored_quantization(self.config.path))
         torch.set_num_threads(chosen.threads)
         self._governor = ThreadGovernor(chosen.threads) if chosen.auto_threads else None
         self._device = torch.device(chosen.device)
@@ -87,15 +88,16 @@ class TorchBackend(Backend):
         self._samplers: dict[int, Any] = {}
         self._runtime = {
             "device": chosen.device, "dtype": chosen.dtype, "dtype_reason": chosen.reason,
-            "quantize": chosen.quantize, "n_threads": chosen.threads, "compile": chosen.compile,
+            "quantize": chosen.quantize, "quantize_reason": chosen.quantize_reason,
+            "n_threads": chosen.threads, "compile": chosen.compile,
             "torch": torch.__version__, "cpu_capability": options.cpu_capability(),
             "checkpoint": checkpoint.description,
             # Whether a sequence's logits are the same bits in any batch and chunking: the
-            # 16-bit products give that (quant.two_rows), float32's change with the row
-            # count, and attention needs float64 (deterministic, model._attend).
+            # 16-bit and integer products give that (quant.two_rows), float32's change with
+            # the row count, and attention needs float64 (deterministic, model._attend).
             "deterministic": chosen.deterministic,
-            "batch_invariant": chosen.device == "cpu" and chosen.dtype != "float32"
-            and chosen.deterministic,
+            "batch_invariant": chosen.device == "cpu" and chosen.deterministic
+            and (chosen.dtype != "float32" or chosen.quantize != "none"),
         }
         info = tok.info
         return ModelInfo(

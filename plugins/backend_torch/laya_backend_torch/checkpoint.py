@@ -154,6 +154,13 @@ def read_config(path: str) -> LlamaConfig:
     return _open(path).config
 
 
+def stored_quantization(path: str) -> str:
+    """How the file stores most layer matrices, as a ``quantize`` value: "int4" for 4-bit
+    GGUF types, "int8" for Q8_0, "none" for floats (and every Hugging Face folder)."""
+    source = _open(path)
+    return getattr(source, "quantization", "none")
+
+
 def _open(path: str) -> GGUFFile | _HFFolder:
     p = Path(path)
     if p.is_dir():

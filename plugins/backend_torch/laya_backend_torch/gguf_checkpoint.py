@@ -39,6 +39,8 @@ __all__ = ["GGUFFile"]
 _PERMUTED = {"llama", "mistral"}
 _GGUF_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16,
                Q.Q8_0: None, Q.Q4_0: None, Q.Q4_1: None}  # None: dequantized to float32
+# How the layers' matrices of each stored type are kept by quantize = "auto".
+_QUANTIZATION = {Q.Q4_0: "int4", Q.Q4_1: "int4", Q.Q8_0: "int8"}
 _LAYER_NAMES = {  # GGUF name in block i -> Hugging Face name under model.layers.{i}.
     "attn_norm.weight": "input_layernorm.weight",
     **{f"attn_{g}.{p}": f"self_attn.{h}_proj.{p}" for g, h in
@@ -178,6 +180,10 @@ class GGUFFile:
                     f"read (it reads {', '.join(k.name for k in _GGUF_TYPES)}); requantize the "
                     "file to one of those with llama-quantize")
         self.description = self._describe(list(self.by_hf.values()))
+        types = [t.type for t in self.by_hf.values()
+                 if len(t.shape) == 2 and t.name not in _GLOBAL_NAMES]
+        most = max(set(types), key=types.count)
+        self.quantization = _QUANTIZATION.get(most, "none")
 
     def _rope_freqs(self, t: _Tensor | None) -> torch.Tensor | None:
         if t is None:

@@ -4,10 +4,11 @@ load's part in keeping that true.
 The weights are priced as they sit in memory after load, not as stored: a Q4_1 GGUF is
 dequantized, so its matrices cost the compute dtype's bytes, or one byte plus a scale per
 row with ``quantize = "int8"``, or half a byte plus a scale and a zero per 32 with
-``quantize = "int4"`` (whose output head is int8). The KV pool is priced by the KV dtype. The overheads are one
-step's activations and its logits (each the peak of the largest step the scheduler may
-make; glibc keeps a step's freed memory for the next, so it stays resident), libtorch, the
-tokenizer, and what the load needs for a moment beyond all of them.
+``quantize = "int4"`` (whose output head is int8). The KV pool is priced by the KV dtype.
+The overheads are one step's activations and its logits (each the peak of the largest step
+the scheduler may make; glibc keeps a step's freed memory for the next, so it stays
+resident), libtorch, the tokenizer, and what the load needs for a moment beyond all of
+them.
 
 Every constant below was measured with tests/memory/torch_rss_stages.py (RSS and its peak,
 VmHWM, at each stage; torch 2.13.0 CPU, tokenizers 0.23, an AMD EPYC with AVX512-BF16), and
@@ -88,7 +89,13 @@ def planned_dtype(config: ModelConfig) -> str:
 
 
 def planned_quantize(config: ModelConfig) -> str:
-    return str(config.options.get("quantize", "none"))
+    """The ``quantize`` ``options.choose`` will settle on."""
+    from laya_backend_torch.checkpoint import stored_quantization
+    from laya_backend_torch.options import quantization
+
+    if config.options.get("quantize", "auto") != "auto":
+        return str(config.options["quantize"])
+    return quantization(config.options, stored_quantization(config.path))[0]
 
 
 def planned_threads(config: ModelConfig) -> int:
