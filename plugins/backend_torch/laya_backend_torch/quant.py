@@ -89,9 +89,11 @@ class Int8Linear(Linear):
         self.scales, self.dtype = scales, dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(torch.bfloat16).contiguous()
-        out = torch._weight_int8pack_mm(x, self.weight, self.scales).to(self.dtype)
+        out = self._product(x.to(torch.bfloat16).contiguous()).to(self.dtype)
         return out if self.bias is None else out + self.bias
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.weight, self.scales)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return (self.weight[ids].to(torch.float32)
@@ -102,7 +104,6 @@ class Int8Linear(Linear):
         return super().nbytes + self.scales.nbytes
 
 
-
 def int4_fits(weight: torch.Tensor, device: torch.device) -> bool:
     """Whether torch's CPU int4 kernel takes this [out, in] matrix in its 64-row blocks:
     rows a multiple of 64 and inputs a multiple of the group."""
@@ -110,15 +111,16 @@ def int4_fits(weight: torch.Tensor, device: torch.device) -> bool:
         and weight.shape[1] % INT4_GROUP == 0
 
 
-class Int4Linear(Linear):
+class Int4Linear(Int8Linear):
     """A weight [out, in] as 4-bit values in groups of ``INT4_GROUP`` inputs, each group
     with a bfloat16 scale and minimum: ``w = scale x q + min``, q in 0..15. The kernel reads
-    the pair as ``(q - 8) x scale + zero``, so ``zero = min + 8 x scale`` is what is kept.
-    A matrix the kernel cannot take (``int4_fits``) is kept in int8 instead."""
+    the pair as ``(q - 8) x scale + zero``, so ``zero = min + 8 x scale`` is what is kept,
+    as ``scales`` [groups, out, 2]. A matrix the kernel cannot take (``int4_fits``) is kept
+    in int8 instead."""
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-           device: torch.device) -> Linear:
+           device: torch.device) -> Int8Linear:
         if not int4_fits(weight, device):
             return Int8Linear.of(weight, bias, dtype, device)
         out_features, in_features = weight.shape
@@ -132,16 +134,8 @@ class Int4Linear(Linear):
         return cls(packed, None if bias is None else dense(bias, dtype, device),
                    scale_zero.transpose(0, 1).to(torch.bfloat16).contiguous(), dtype)
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 scale_zero: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> None:
-        super().__init__(weight, bias)
-        self.scale_zero, self.dtype = scale_zero, dtype
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(torch.bfloat16).contiguous()
-        out = torch._weight_int4pack_mm_for_cpu(x, self.weight, INT4_GROUP,
-                                                self.scale_zero).to(self.dtype)
-        return out if self.bias is None else out + self.bias
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x, self.weight, INT4_GROUP, self.scales)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError("an int4 matrix is not an embedding (the model keeps its "
@@ -155,14 +149,10 @@ class Int4Linear(Linear):
         packed = self.weight.view(out_features // 64, in_features, 32)
         q = torch.cat((packed & 15, packed >> 4), dim=2)  # [blocks, in, 64]
         q = q.transpose(1, 2).reshape(out_features, in_features)
-        scale, zero = self.scale_zero.float().unbind(dim=2)  # [groups, out]
+        scale, zero = self.scales.float().unbind(dim=2)  # [groups, out]
         w = (q.float().view(q.shape[0], -1, INT4_GROUP) - 8) * scale.T[..., None] \
             + zero.T[..., None]
         return w.view(q.shape[0], -1)
-
-    @property
-    def nbytes(self) -> int:
-        return super().nbytes + self.scale_zero.nbytes
 
 
 def linear_kind(quantize: str) -> type[Linear]:
