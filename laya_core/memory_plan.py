@@ -48,6 +48,9 @@ class Overhead:
     name: str
     bytes: int
     how: str  # how the number was obtained
+    # What the replicas of one process share, such as a backend library's code: a key, and
+    # the plan counts the overheads under one key once (the largest). None: per replica.
+    shared: str | None = None
 
 
 @attrs.frozen
@@ -120,8 +123,21 @@ class Plan:
     suggestions: tuple[str, ...] = ()
 
     @property
+    def shared_bytes_counted_once(self) -> int:
+        """What the replica ledgers count more than once of the overheads their process
+        shares (``Overhead.shared``): every replica's ledger holds the line, since each
+        alone would need it, and the total takes each shared key's largest once."""
+        by_key: dict[str, list[int]] = {}
+        for r in self.replicas:
+            for o in r.profile.overheads:
+                if o.shared is not None:
+                    by_key.setdefault(o.shared, []).append(o.bytes)
+        return sum(sum(sizes) - max(sizes) for sizes in by_key.values())
+
+    @property
     def total_bytes(self) -> int:
-        return self.runtime_bytes + sum(r.total_bytes for r in self.replicas)
+        return (self.runtime_bytes + sum(r.total_bytes for r in self.replicas)
+                - self.shared_bytes_counted_once)
 
     @property
     def fits(self) -> bool:
@@ -131,7 +147,9 @@ class Plan:
         return {
             "fits": self.fits, "budget_bytes": self.budget.bytes,
             "budget_source": self.budget.source, "headroom_bytes": self.budget.headroom_bytes,
-            "runtime_bytes": self.runtime_bytes, "total_bytes": self.total_bytes,
+            "runtime_bytes": self.runtime_bytes,
+            "shared_bytes_counted_once": self.shared_bytes_counted_once,
+            "total_bytes": self.total_bytes,
             "replicas": [r.to_json() for r in self.replicas],
             "suggestions": list(self.suggestions),
         }

@@ -161,11 +161,18 @@ def format_plan(plan: Plan) -> str:
             f"  KV pool            {fmt_bytes(r.kv_pool_bytes):>12}   {r.pool_tokens} tokens: "
             f"{r.max_concurrent_seqs} full-length sequence(s) at once",
         ]
-        lines += [f"  {o.name:<18} {fmt_bytes(o.bytes):>12}   {o.how}" for o in p.overheads]
+        lines += [f"  {o.name:<18} {fmt_bytes(o.bytes):>12}   {o.how}"
+                  + (f" (shared by this process's replicas: {o.shared})" if o.shared else "")
+                  for o in p.overheads]
         lines.append(f"  replica total      {fmt_bytes(r.total_bytes):>12}")
     lines += [
         f"runtime              {fmt_bytes(plan.runtime_bytes):>12}   Python, HTTP server, "
         "libraries (once per process); the chat-template sandbox (64 MiB cap)",
+    ]
+    if plan.shared_bytes_counted_once:
+        lines.append(f"shared, once         {fmt_bytes(-plan.shared_bytes_counted_once):>12}   "
+                     "the replicas' shared lines, each counted once in the total")
+    lines += [
         f"total                {fmt_bytes(plan.total_bytes):>12}",
         f"budget               {fmt_bytes(plan.budget.bytes):>12}   {plan.budget.source}",
     ]

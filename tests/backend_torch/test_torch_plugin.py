@@ -1,5 +1,6 @@
 """The torch plugin as the core sees it: registered, its options checked like every
-backend's, its model paths checked, and torch imported only for a manifest that uses it."""
+backend's, its model paths checked, torch imported only for a manifest that uses it, and
+its plan."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from laya_core import manifest as mf
+from laya_core.memory_plan import Plan
+from laya_core.planner import format_plan, make_plan
 from laya_core.plugins import load_registry
 
 
@@ -67,3 +70,22 @@ def test_torch_is_imported_only_for_a_manifest_that_uses_it() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_replicas_in_one_process_count_libtorch_once() -> None:
+    """Two replicas are two engines in one process: one libtorch, two of the rest."""
+    registry = load_registry()
+
+    def plan(replicas: int) -> Plan:
+        return make_plan(mf.resolve(mf.from_dict({"models": [{
+            "name": "m", "backend": "torch", "path": "embedded:smollm2-135m-instruct",
+            "max_seq_len": 256, "replicas": replicas}]}), registry), registry)
+
+    one, two = plan(1), plan(2)
+    (ledger,) = one.replicas
+    lines = {o.name: o for o in ledger.profile.overheads}
+    assert lines["torch runtime"].shared and not lines["torch threads"].shared
+    assert two.shared_bytes_counted_once == lines["torch runtime"].bytes
+    assert two.total_bytes - one.total_bytes == ledger.total_bytes - lines["torch runtime"].bytes
+    assert "shared by this process's replicas" in format_plan(two)
+    assert "shared, once" in format_plan(two) and "shared, once" not in format_plan(one)

@@ -191,7 +191,7 @@ def memory_profile(config: ModelConfig, shape: ModelShape) -> MemoryProfile:
     logits, sampled, scored = logits_bytes(config, shape.vocab_size)
     vocabulary = TOKENIZER_BYTES + shape.vocab_size * TOKENIZER_BYTES_PER_TOKEN
     threads = planned_threads(config)
-    runtime = TORCH_RUNTIME_BYTES + threads * TORCH_RUNTIME_BYTES_PER_THREAD
+    runtime = TORCH_RUNTIME_BYTES
     if planned_dtype(config) != "float32" and planned_quantize(config) == "none":
         runtime += TORCH_RUNTIME_16_BIT_KERNELS_BYTES
     # The load's transient is over before the pool, activations and logits exist; only what
@@ -206,9 +206,13 @@ def memory_profile(config: ModelConfig, shape: ModelShape) -> MemoryProfile:
         Overhead("logits", logits,
                  f"vocab x ({sampled} sampled rows x {SAMPLED_ROW_BYTES} B (logits, sampler) "
                  f"+ {scored} scored rows x {SCORED_ROW_BYTES} B (logits, log-softmax))"),
+        # One libtorch per process: replicas in one process share it, and the plan
+        # counts it once; each replica's engine thread has its own OpenMP threads.
         Overhead("torch runtime", runtime,
-                 f"libtorch imported and its kernels run, on {threads} threads (measured, "
-                 "torch 2.13 CPU)"),
+                 "libtorch imported and its kernels run (measured, torch 2.13 CPU)",
+                 shared="libtorch"),
+        Overhead("torch threads", threads * TORCH_RUNTIME_BYTES_PER_THREAD,
+                 f"{threads} threads' stacks and heap arenas (measured)"),
         Overhead("vocabulary", vocabulary,
                  f"the tokenizer: {TOKENIZER_BYTES_PER_TOKEN} B per token + its library "
                  "(measured)"),
