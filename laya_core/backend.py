@@ -143,6 +143,13 @@ class Backend(abc.ABC):
         ``option_names``), said to the user after the key's path, or None."""
         return None
 
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> dict[str, str]:
+        """Problems of values that are fine alone but not together (a dtype the chosen
+        device lacks), by the option they are said under; called once every key passed
+        ``check_option``."""
+        return {}
+
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
 

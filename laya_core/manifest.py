@@ -309,6 +309,7 @@ def _resolve_model(m: ModelConfig, i: int, registry: Any, need_backends: bool,
 
 def _check_options(backend_cls: Any, m: ModelConfig, i: int, problems: Problems) -> None:
     """The options suit the chosen backend."""
+    before = len(problems.found)
     for name in m.options:
         if name not in backend_cls.option_names:
             known = ", ".join(sorted(backend_cls.option_names)) or "none"
@@ -316,4 +317,7 @@ def _check_options(backend_cls: Any, m: ModelConfig, i: int, problems: Problems)
                          f"the {m.backend} backend has no option {name!r}; its "
                          f"options are: {known}")
         elif problem := backend_cls.check_option(name, m.options[name]):
+            problems.add(f"models[{i}].options.{name}", problem)
+    if len(problems.found) == before:  # each value fine alone: do they go together?
+        for name, problem in backend_cls.check_options(m.options).items():
             problems.add(f"models[{i}].options.{name}", problem)

@@ -26,6 +26,8 @@ def torch_model(**options: object) -> dict:
     ({"device": "tpu"}, "models[0].options.device", '"cpu" or "cuda"'),
     ({"quantize": "int2"}, "models[0].options.quantize", '"none", "int8" or "int4"'),
     ({"n_threads": 0}, "models[0].options.n_threads", "from 1 to 1024"),
+    ({"dtype": "float16"}, "models[0].options.dtype", '"float16" runs on cuda only'),
+    ({"quantize": "int4", "device": "cuda"}, "models[0].options.quantize", "cpu only"),
     ({"compile": "yes"}, "models[0].options.compile", "true or false"),
     ({"threads": 2}, "models[0].options.threads", ""),
 ])

@@ -43,6 +43,10 @@ class TorchBackend(Backend):
         return options.check(name, value)
 
     @classmethod
+    def check_options(cls, opts: dict[str, Any]) -> dict[str, str]:
+        return options.check_together(opts)
+
+    @classmethod
     def check_model_path(cls, path: str) -> str | None:
         return options.check_path(path)
 

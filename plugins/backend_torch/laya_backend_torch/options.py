@@ -51,6 +51,18 @@ def check(name: str, value: object) -> str | None:
     return None if ok else f"must be {OPTIONS[name]}, not {value!r}"
 
 
+def check_together(opts: dict[str, Any]) -> dict[str, str]:
+    """Values fine alone that the chosen device cannot run."""
+    device, problems = opts.get("device", "cpu"), dict[str, str]()
+    if opts.get("dtype") == "float16" and not device.startswith("cuda"):
+        problems["dtype"] = ('"float16" runs on cuda only (a CPU emulates it, slowly); use '
+                             '"bfloat16" or "float32" on a CPU')
+    if opts.get("quantize") == "int4" and device != "cpu":
+        problems["quantize"] = ('"int4" runs on the cpu only (torch\'s int4 kernel there); '
+                                'use "int8" or "none" on cuda')
+    return problems
+
+
 def check_path(path: str) -> str | None:
     """A GGUF file, or a Hugging Face folder with config.json and safetensors."""
     p = Path(path)
@@ -138,13 +150,9 @@ def choose(opts: dict[str, Any], stored: str = "none") -> Chosen:
             dtype, reason = "bfloat16", "auto: the CPU has native bf16 (AVX512-BF16 or AMX)"
         else:
             dtype, reason = "float32", "auto: the CPU has no native bf16, where it is slower"
-    if dtype == "float16" and not device.startswith("cuda"):
-        raise RuntimeError('dtype "float16" runs on cuda only; use "bfloat16" or "float32" '
-                           "on a CPU")
+    if problems := check_together(opts):  # a manifest's check said so already
+        raise RuntimeError("; ".join(f"{name}: {why}" for name, why in problems.items()))
     quantize, quantize_reason = quantization(opts, stored)
-    if quantize == "int4" and device != "cpu":
-        raise RuntimeError('quantize "int4" runs on the cpu only (torch\'s int4 kernel there); '
-                           'use "int8" or "none" on cuda')
     threads = opts.get("n_threads", "auto")
     auto = threads == "auto"
     return Chosen(device, dtype, reason, quantize, quantize_reason,
