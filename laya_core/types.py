@@ -43,6 +43,9 @@ class SamplingParams:
     prompt_logprobs: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(
             attrs.validators.and_(attrs.validators.ge(0), attrs.validators.le(20))))
+    # The request's scheduling priority, vLLM's meaning: lower is served sooner. The default
+    # scheduler (fcfs) ignores it; a scheduler plugin may order by it.
+    priority: int = 0
 
     @property
     def greedy(self) -> bool:

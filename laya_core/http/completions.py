@@ -19,7 +19,13 @@ from laya_core.http import openai_format as fmt
 from laya_core.http.body import json_body
 from laya_core.http.errors import APIError, invalid
 from laya_core.http.observe import Observer
-from laya_core.http.requests import ChatRequest, CompletionRequest, parse_chat, parse_completion
+from laya_core.http.requests import (
+    ChatRequest,
+    CompletionRequest,
+    parse_chat,
+    parse_completion,
+    with_header_priority,
+)
 from laya_core.http.sse import SSEResponse
 from laya_core.types import FinishReason, Timing
 
@@ -57,6 +63,7 @@ class CompletionHandlers:
         """Start the request's sequences (cancelled if the client leaves while they queue);
         the running sequences, the fields every response object repeats, and token bytes."""
         session = request.headers.get("x-session-id")
+        req = with_header_priority(req, request.headers.get("x-priority"))
         try:
             runs = await _guarded(request, gen.start(self.deployment, req, session))
         except TemplateError as e:

@@ -81,7 +81,7 @@ def _params(req: GenerationRequest, max_tokens: int, choice: int,
         min_p=req.min_p, seed=seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
         ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-        logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
+        logprobs=req.logprobs, prompt_logprobs=prompt_logprobs, priority=req.priority or 0)
 
 
 def prompt_top(request: ChatRequest | CompletionRequest) -> int | None:

@@ -52,6 +52,9 @@ class GenerationRequest:
     prompt_logprobs: int | None = None  # vLLM's: None, or top alternatives per prompt token
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Scheduling priority (vLLM's field: lower is served sooner); None: not in the body, so
+    # the X-Priority header's, else 0.
+    priority: int | None = None
     # The field the client limited the output with, for errors about it.
     max_tokens_param: str = "max_tokens"
 
@@ -67,6 +70,25 @@ class CompletionRequest:
     common: GenerationRequest
     prompts: tuple[str | tuple[int, ...], ...]  # one choice group per prompt
     echo: bool = False
+
+
+def with_header_priority(request: ChatRequest | CompletionRequest,
+                         header: str | None) -> ChatRequest | CompletionRequest:
+    """The request with the ``X-Priority`` header's priority where its body has none (for
+    clients, or gateways in front of them, that set tiers without touching bodies)."""
+    if request.common.priority is not None:
+        return request
+    priority = 0
+    if header is not None:
+        try:
+            priority = int(header.strip())
+        except ValueError:
+            raise invalid("X-Priority", f"the X-Priority header must be an integer, got "
+                          f"{header[:40]!r}") from None
+        if not -INT32_MAX - 1 <= priority <= INT32_MAX:
+            raise invalid("X-Priority", f"the X-Priority header must be between "
+                          f"{-INT32_MAX - 1} and {INT32_MAX}, got {priority}")
+    return attrs.evolve(request, common=attrs.evolve(request.common, priority=priority))
 
 
 def _as_float(name: str, value: int) -> float:
@@ -160,6 +182,7 @@ def _common(b: _Body, logprobs: int | None, min_max_tokens: int = 1) -> Generati
         n=n, logprobs=logprobs, prompt_logprobs=prompt_logprobs, stop_token_ids=tuple(stop_ids),
         max_tokens_param="max_tokens" if newer is None else "max_completion_tokens",
         ignore_eos=b.get("ignore_eos", bool, False),
+        priority=b.integer("priority", -INT32_MAX - 1, INT32_MAX),
         presence_penalty=b.number("presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=b.number("frequency_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=b.number("repetition_penalty", 1.0, 0.01, 10.0),

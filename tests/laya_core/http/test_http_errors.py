@@ -227,6 +227,8 @@ def test_max_completion_tokens_follows_the_max_tokens_rule(deployment: Deploymen
     ({**GOOD, "stop_token_ids": [2**40]}, "stop_token_ids"),
     ({**GOOD, "n": 2**62}, "n"),
     ({**GOOD, "logprobs": -1}, "logprobs"),
+    ({**GOOD, "priority": 2**31}, "priority"),
+    ({**GOOD, "priority": "high"}, "priority"),
 ])
 def test_integer_fields_are_bounded(deployment: Deployment, body: dict[str, Any],
                                     param: str) -> None:
@@ -235,6 +237,7 @@ def test_integer_fields_are_bounded(deployment: Deployment, body: dict[str, Any]
 
 def test_integer_fields_at_their_bounds_are_served(deployment: Deployment) -> None:
     for extra in ({"top_k": 2**31 - 1}, {"seed": 2**32 - 2}, {"seed": 0},
-                  {"seed": 2**32 - 3, "n": 2}, {"top_k": -1}):
+                  {"seed": 2**32 - 3, "n": 2}, {"top_k": -1}, {"priority": -2**31},
+                  {"priority": 2**31 - 1}):
         r = call(deployment, "POST", "/v1/completions", json={**GOOD, **extra})
         assert r.status_code == 200, (extra, r.text)

@@ -1,0 +1,1 @@
+"""Priority tiers for Laya: the ``priority`` scheduler."""
