@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from importlib import metadata
@@ -19,7 +20,7 @@ from laya_core import cli_settings, planner, sources, systemd
 from laya_core import manifest as mf
 from laya_core.manifest_table import Problems
 from laya_core.model_files import ModelFileError
-from laya_core.plugins import FAMILIES, PluginError, Registry, load_registry
+from laya_core.plugins import FAMILIES, TRACE_ENV, PluginError, Registry, load_registry
 
 EXIT_DOES_NOT_FIT = 1
 EXIT_MANIFEST = 2
@@ -33,6 +34,11 @@ def cmd_plugins(args: argparse.Namespace, registry: Registry) -> int:
             print(f"  {name:<14} {members[name].source}")
         if not members:
             print("  (none)")
+    if registry.failures:
+        print("failed (left out):")
+        for failure in registry.failures:
+            print(f"  {failure}")
+        return EXIT_MANIFEST
     return 0
 
 
@@ -47,7 +53,7 @@ def cmd_check(args: argparse.Namespace, registry: Registry) -> int:
         print(f"laya: the plan does not fit its memory budget.\n{planner.format_plan(plan)}",
               file=sys.stderr)
         return EXIT_DOES_NOT_FIT
-    return 0
+    return EXIT_MANIFEST if registry.failures else 0
 
 
 def cmd_plan(args: argparse.Namespace, registry: Registry) -> int:
@@ -135,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "embedded model)")
     cli_settings.add_settings(serve)
     serve.set_defaults(func=cmd_serve)
+    for command in (check, plan, serve):
+        command.add_argument("--trace-hooks", action="store_true",
+                             help=f"log every plugin hook call with its plugin and duration "
+                             f"(or {TRACE_ENV}=1)")
     return parser
 
 
@@ -154,11 +164,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from laya_core.logs import setup_logging
 
     setup_logging(logging.INFO)
+    if getattr(args, "trace_hooks", False):
+        os.environ[TRACE_ENV] = "1"
     try:
         registry = load_registry()
     except PluginError as e:
         print(f"laya: plugin error: {e}", file=sys.stderr)
         return EXIT_MANIFEST
+    for failure in registry.failures:  # the others loaded; what needs this one says so
+        print(f"laya: plugin error: {failure}", file=sys.stderr)
     try:
         return int(args.func(args, registry))
     except mf.ManifestError as e:

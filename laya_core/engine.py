@@ -247,12 +247,38 @@ class Engine:
         try:
             while self._drain_inbox(block=not self.scheduler.has_work):  # type: ignore[union-attr]
                 self._step()
+        except Exception as e:  # noqa: BLE001 - a plugin's fault fails this replica only
+            self._fail(e)
         finally:
-            self.state = EngineState.STOPPED
-            for live in list(self._live.values()):
-                self._finish(live, FinishReason.CANCELLED, "")
+            if self.state is not EngineState.FAILED:
+                self.state = EngineState.STOPPED
+                for live in list(self._live.values()):
+                    self._finish(live, FinishReason.CANCELLED, "")
             self._flush()
             self.backend.close()
+
+    def _fail(self, e: Exception) -> None:
+        """A step could not be planned or run past its own error handling (a scheduler or
+        cache policy plugin raised): end this replica's requests with the reason, and
+        answer every later one with it until the replica is stopped."""
+        log.exception("%s replica %d stopped", self.config.name, self.replica_id)
+        self.error = (f"a step failed outside the backend (scheduler {self.config.scheduler!r}"
+                      f", cache policy {self.config.cache_policy!r}): {type(e).__name__}: {e}")
+        self.state = EngineState.FAILED
+        lives = list(self._live.values())
+        self._live.clear()
+        while True:
+            for live in lives:
+                seq = live.seq
+                if not live.started:
+                    self._dequeued()
+                self._emit(live, TokenEvent("", (), FinishReason.ERROR, self.error, usage=Usage(
+                    seq.num_prompt_tokens, len(seq.output_token_ids))))
+            self._flush()
+            payload = self._inbox.get()  # what was submitted before the state said so
+            if payload is None:
+                return
+            lives = [payload] if isinstance(payload, Live) else []
 
     def _emit(self, live: Live, event: TokenEvent) -> None:
         self._outbox.setdefault(live.loop, []).append((live.queue, event))

@@ -284,9 +284,11 @@ def _resolve_model(m: ModelConfig, i: int, registry: Any, need_backends: bool,
             continue
         if chosen not in family and not (key == "cache_policy" and chosen == "auto"):
             known = ", ".join(sorted(family)) or "none"
+            failed = "; ".join(str(f) for f in getattr(registry, "failures", ()))
             problems.add(f"models[{i}].{key}",
                          f"no {key.replace('_', ' ')} {chosen!r} is installed "
-                         f"(installed: {known}); install its plugin or fix the name")
+                         f"(installed: {known}); install its plugin or fix the name"
+                         + (f". Left out, perhaps the one: {failed}" if failed else ""))
     backend = registry.backends.get(m.backend)
     if backend and m.kv_cache_dtype not in backend.obj.kv_cache_dtypes:
         problems.add(f"models[{i}].kv_cache_dtype",

@@ -13,7 +13,7 @@ from laya_core import manifest as mf
 from laya_core.deployment import Deployment
 from laya_core.hookspecs import hookimpl
 from laya_core.http import create_app
-from laya_core.plugins import PluginError, load_registry
+from laya_core.plugins import PluginError, collect, load_registry
 from laya_core.scheduler import FcfsScheduler
 
 
@@ -46,14 +46,21 @@ def test_builtin_and_entry_point_plugins_are_listed_with_their_source() -> None:
     assert registry.backends["llamacpp"].source.startswith("laya-backend-llamacpp")
 
 
-def test_registering_a_name_twice_is_an_error() -> None:
+def test_registering_a_name_twice_leaves_the_second_plugin_out() -> None:
     class Clash:
         @hookimpl
         def register_schedulers(self, register):  # type: ignore[no-untyped-def]
+            register("lifo", LifoScheduler)
             register("fcfs", LifoScheduler)
 
+    registry = load_registry([Clash()])
+    (failure,) = registry.failures
+    assert failure.hook == "register_schedulers"
+    assert "'fcfs' is registered twice: by builtin" in failure.error
+    assert registry.schedulers["fcfs"].obj is FcfsScheduler
+    assert "lifo" not in registry.schedulers  # nothing of a failed registration is kept
     with pytest.raises(PluginError, match="'fcfs' is registered twice"):
-        load_registry([Clash()])
+        collect(registry.plugin_manager, "scheduler")  # without a list to record it in
 
 
 def test_a_misspelt_hook_is_caught() -> None:
@@ -162,3 +169,58 @@ def test_the_cache_policy_follows_the_backends_kv_layout(tmp_path: Path) -> None
     engine.start()
     assert not engine.wait_ready(5) and "paged" in (engine.error or "")
     engine.stop()
+
+
+class FailingScheduler(FcfsScheduler):
+    """Serves its first step, then raises: a plugin's bug met under load."""
+
+    steps = 0
+
+    def schedule(self):  # type: ignore[no-untyped-def]
+        FailingScheduler.steps += 1
+        if FailingScheduler.steps > 1:
+            raise RuntimeError("the tier table is corrupt")
+        return super().schedule()
+
+
+def test_a_scheduler_that_raises_fails_its_model_not_the_server(tmp_path: Path) -> None:
+    class Plugin(InTestPlugin):
+        @hookimpl
+        def register_schedulers(self, register):  # type: ignore[no-untyped-def]
+            register("failing", FailingScheduler)
+
+    registry = load_registry([Plugin()])
+    weights = tmp_path / "toy.bin"
+    weights.write_bytes(b"")
+    manifest = mf.resolve(mf.from_dict({"models": [
+        {"name": "bad", "backend": "toy", "scheduler": "failing", "path": str(weights),
+         "max_seq_len": 64},
+        {"name": "good", "backend": "toy", "path": str(weights), "max_seq_len": 64}]}),
+        registry)
+    deployment = Deployment(manifest, registry)
+    deployment.start()
+    assert deployment.wait_ready(10)
+
+    async def go() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=create_app(deployment))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            out = [await client.post("/v1/completions", json={
+                "model": "bad", "prompt": "abcdef", "max_tokens": 20})]
+            out.append(await client.post("/v1/completions", json={
+                "model": "bad", "prompt": "abc", "max_tokens": 2}))
+            out.append(await client.post("/v1/completions", json={
+                "model": "good", "prompt": "abc", "max_tokens": 3}))
+            out.append(await client.get("/ready"))
+            return out
+
+    try:
+        during, after, good, ready = asyncio.run(go())
+    finally:
+        deployment.stop()
+    # The request it was serving ends as a backend failure does: the server's fault, said.
+    assert during.status_code == 500 and during.json()["error"]["code"] == "engine_error"
+    assert "the tier table is corrupt" in during.json()["error"]["message"]
+    assert after.status_code == 503 and "the tier table is corrupt" in after.text
+    assert good.status_code == 200 and good.json()["choices"][0]["text"] == "abc"
+    (bad_replica,) = [r for r in ready.json()["replicas"] if r["model"] == "bad"]
+    assert "scheduler 'failing'" in bad_replica["error"]
