@@ -101,13 +101,17 @@ def _name_problem(v: str) -> str | None:
         "use 1-128 letters, digits and . _ : / - (starting with a letter or digit)"
 
 
+# A model path such as embedded:NAME, which a resolve_model_path plugin turns into a file.
+_SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:(?!//)")
+
+
 def _model(data: Any, index: int, base_dir: Path, problems: Problems) -> ModelConfig | None:
     """One ``[[models]]`` entry; None when it is too broken to check further."""
     t = Table(data, f"models[{index}]", problems)
     name = t.get("name", str, required=True, check=_name_problem)
     backend = t.get("backend", str, "llamacpp", check=non_empty)
     path = t.get("path", str, required=True, check=non_empty)
-    if path is not None and not path.startswith("embedded:"):
+    if path is not None and not _SCHEME_RE.match(path):  # SCHEME:NAME is a plugin's to say
         p = Path(path).expanduser()
         path = str(p if p.is_absolute() else (base_dir / p))
     max_seq_len = t.int_in("max_seq_len", 16, 1 << 20, None)
@@ -302,6 +306,11 @@ def _resolve_model(m: ModelConfig, i: int, registry: Any, need_backends: bool,
     except LookupError as e:
         raise ManifestError(f"models[{i}].path", str(e)) from e
     path = resolved or m.path
+    if resolved is None and (scheme := _SCHEME_RE.match(m.path)) \
+            and not Path(m.path).exists():
+        raise ManifestError(f"models[{i}].path", f"no installed plugin resolves "
+                            f"{scheme.group(0)} paths (the resolve_model_path hook); install "
+                            "the one that does, or give a file path")
     if problem := model_file_problem(path):
         raise ManifestError(f"models[{i}].path", problem)
     if backend and need_backends and (problem := backend.obj.check_model_path(path)):
