@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from laya_core.allowed_tokens import NO_TOKEN_ALLOWED
 from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem, StepResult
 from laya_core.engine import Engine
+from laya_core.hookspecs import hookimpl
 from laya_core.kv_cache import PagedKVCache
 from laya_core.kv_manager import BLOCK_SIZE
 from laya_core.scheduler import FcfsScheduler
@@ -118,6 +119,18 @@ class ToyBackend(Backend):
     def free_sequence(self, seq_id: int) -> None:
         del self.started[seq_id]
         self.prompt_len.pop(seq_id, None)
+
+
+class ToyPlugin:
+    """Registers the toy backend as ``toy``: the conformance suite's ``--laya-plugin
+    toy_backend:PLUGIN``."""
+
+    @hookimpl
+    def register_backends(self, register):  # type: ignore[no-untyped-def]
+        register("toy", ToyBackend)
+
+
+PLUGIN = ToyPlugin()
 
 
 def started_engine(**config: object) -> Engine:

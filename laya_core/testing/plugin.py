@@ -1,0 +1,75 @@
+"""The pytest plugin of the conformance suite: its options and the replica under test."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from laya_core import manifest as mf
+from laya_core import planner
+from laya_core.deployment import Deployment
+from laya_core.engine import Engine
+from laya_core.plugins import Registry, load_registry
+
+# Small enough that prompts are prefilled in several chunks, and that a few sequences fill
+# the pool: both are what the suite checks.
+MAX_SEQ_LEN = 256
+MAX_NUM_SEQS = 4
+MAX_STEP_TOKENS = 32
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("laya", "Laya backend conformance")
+    group.addoption("--laya-backend", help="the backend's registered name")
+    group.addoption("--laya-model", help="a model file or embedded:NAME it serves")
+    group.addoption("--laya-options", default="{}",
+                    help="its [models.options] as a JSON object")
+    group.addoption("--laya-plugin", action="append", default=[],
+                    help="MODULE:ATTR of a plugin object to register (repeatable)")
+
+
+def _plugin(spec: str) -> Any:
+    module, _, attr = spec.partition(":")
+    found = importlib.import_module(module)
+    return getattr(found, attr) if attr else found
+
+
+@pytest.fixture(scope="session")
+def laya_registry(request: pytest.FixtureRequest) -> Registry:
+    return load_registry([_plugin(p) for p in request.config.getoption("--laya-plugin")])
+
+
+@pytest.fixture(scope="session")
+def laya_model(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """The ``[[models]]`` entry under test."""
+    backend = request.config.getoption("--laya-backend")
+    path = request.config.getoption("--laya-model")
+    if not backend or not path:
+        raise pytest.UsageError("the conformance suite needs --laya-backend and --laya-model")
+    return {"name": "under-test", "backend": backend, "path": path,
+            "max_seq_len": MAX_SEQ_LEN, "max_num_seqs": MAX_NUM_SEQS,
+            "max_step_tokens": MAX_STEP_TOKENS,
+            "options": json.loads(request.config.getoption("--laya-options"))}
+
+
+@pytest.fixture(scope="session")
+def laya_deployment(laya_registry: Registry,
+                    laya_model: dict[str, Any]) -> Iterator[Deployment]:
+    manifest = mf.resolve(mf.from_dict({"models": [laya_model]}), laya_registry)
+    plan = planner.make_plan(manifest, laya_registry)  # as laya serve starts a replica
+    deployment = Deployment(planner.decided_manifest(manifest, plan), laya_registry, plan)
+    deployment.start()
+    if not deployment.wait_ready(300):
+        deployment.stop()
+        pytest.fail(f"the replica did not load: {deployment.engines[0].error}")
+    yield deployment
+    deployment.stop()
+
+
+@pytest.fixture(scope="session")
+def laya_engine(laya_deployment: Deployment) -> Engine:
+    return laya_deployment.engines[0]

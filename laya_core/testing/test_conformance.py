@@ -1,0 +1,226 @@
+"""What every backend must do, checked on the backend named by ``--laya-backend``.
+
+Run by ``pytest -p laya_core.testing.plugin --pyargs laya_core.testing.test_conformance``
+(laya_core/testing/__init__.py). Each test drives the real engine, scheduler and cache
+policy of one replica through ``Engine.submit``, as the HTTP layer does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+from laya_core.allowed_tokens import AllowedTokens
+from laya_core.deployment import Deployment
+from laya_core.engine import Engine
+from laya_core.model_files import read_shape
+from laya_core.types import FinishReason, SamplingParams, Usage
+
+LONG = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, counting "
+        "the steps, listening to the sea, and lighting the great lamp that guided the "
+        "fishing boats home through the fog and the storms of the northern coast.")
+TEXTS = ["Once upon a time", "The capital of France is", "1, 2, 3, 4,",
+         "Le café est très bon, n'est-ce pas ?", "日本語のテキストと絵文字 🎉 を書く"]
+
+
+@attrs.frozen
+class Run:
+    tokens: tuple[int, ...]
+    texts: tuple[str, ...]  # each event's text, as a client is sent it
+    finish: FinishReason
+    usage: Usage
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+def ids(engine: Engine, text: str) -> list[int]:
+    assert engine.tokenizer is not None
+    return engine.tokenizer.encode(text, add_special=True)
+
+
+async def one(engine: Engine, prompt: list[int], params: SamplingParams,
+              constraint: Any = None, cancel_after: int | None = None) -> Run:
+    stream = engine.submit(prompt, params, constraint=constraint)
+    tokens: list[int] = []
+    texts: list[str] = []
+    async for event in stream:
+        tokens += event.token_ids
+        texts.append(event.text)
+        if cancel_after is not None and len(tokens) >= cancel_after:
+            stream.cancel()
+        if event.finish_reason is not None:
+            assert event.usage is not None
+            return Run(tuple(tokens), tuple(texts), event.finish_reason, event.usage)
+    raise AssertionError("the stream ended without a finish reason")
+
+
+def run(engine: Engine, prompt: list[int], **params: Any) -> Run:
+    return asyncio.run(one(engine, prompt, SamplingParams(**params)))
+
+
+def together(engine: Engine, *requests: tuple[list[int], dict[str, Any]]) -> list[Run]:
+    async def go() -> list[Run]:
+        return list(await asyncio.gather(*(one(engine, p, SamplingParams(**kw))
+                                           for p, kw in requests)))
+    return asyncio.run(go())
+
+
+def idle(engine: Engine) -> None:
+    """Nothing runs, waits or holds KV: the state every test leaves the replica in."""
+    assert engine.num_running == 0 and engine.num_waiting == 0
+    assert engine.kv_used_tokens == 0, f"{engine.kv_used_tokens} KV tokens still reserved"
+
+
+def test_the_memory_profile_is_sane_and_is_what_the_replica_holds(
+        laya_deployment: Deployment, laya_engine: Engine) -> None:
+    config = laya_engine.config
+    backend_cls = type(laya_engine.backend)
+    profile = backend_cls.memory_profile(config, read_shape(config.path))
+    assert profile.weights_bytes > 0 and profile.kv_bytes_per_token > 0
+    for overhead in profile.overheads:
+        assert overhead.bytes >= 0 and overhead.name and overhead.how, overhead
+    assert laya_deployment.plan is not None
+    (ledger,) = laya_deployment.plan.replicas
+    planned_tokens = config.kv_cache_tokens
+    assert planned_tokens is not None and ledger.pool_tokens == planned_tokens
+    assert ledger.kv_pool_bytes == profile.kv_bytes_per_token * planned_tokens
+    # The pool the cache policy allocated holds the planned tokens, less at most one
+    # block's rounding.
+    assert planned_tokens - 16 < laya_engine.kv_capacity_tokens <= planned_tokens
+
+
+def test_chunked_prefill_and_decode_give_the_tokens_of_a_lone_run(laya_engine: Engine) -> None:
+    """A prompt longer than a step is prefilled in chunks; its greedy tokens are the same
+    alone and while other sequences join and leave the batch around it."""
+    prompt = ids(laya_engine, LONG)
+    assert len(prompt) > 32  # longer than the suite's max_step_tokens
+    alone = run(laya_engine, prompt, max_tokens=24, temperature=0.0, ignore_eos=True)
+    assert len(alone.tokens) == 24 and alone.finish is FinishReason.LENGTH
+    crowd = together(laya_engine,
+                     (prompt, {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True}),
+                     (ids(laya_engine, TEXTS[0]), {"max_tokens": 3, "temperature": 0.0}),
+                     (ids(laya_engine, TEXTS[1]), {"max_tokens": 17, "temperature": 0.0,
+                                                    "ignore_eos": True}),
+                     (ids(laya_engine, TEXTS[2]), {"max_tokens": 9, "temperature": 0.0,
+                                                    "ignore_eos": True}))
+    assert crowd[0].tokens == alone.tokens
+    assert [len(r.tokens) for r in crowd[2:]] == [17, 9]
+    idle(laya_engine)
+
+
+def test_a_repeated_prompt_reuses_its_cached_prefix(laya_engine: Engine) -> None:
+    prompt = ids(laya_engine, LONG + " Again:")
+    first = run(laya_engine, prompt, max_tokens=4, temperature=0.0, ignore_eos=True)
+    second = run(laya_engine, prompt, max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert second.usage.cached_tokens >= 16, second.usage  # at least one block, not copied
+    assert second.usage.cached_tokens < len(prompt)  # the last token is always computed
+    assert second.tokens == first.tokens
+    idle(laya_engine)
+
+
+def test_cancelling_frees_everything(laya_engine: Engine) -> None:
+    prompt = ids(laya_engine, TEXTS[0])
+    cancelled = asyncio.run(one(laya_engine, prompt, SamplingParams(
+        max_tokens=200, temperature=0.0, ignore_eos=True), cancel_after=3))
+    assert cancelled.finish is FinishReason.CANCELLED and len(cancelled.tokens) < 200
+    idle(laya_engine)
+    after = run(laya_engine, prompt, max_tokens=5, temperature=0.0, ignore_eos=True)
+    assert len(after.tokens) == 5  # and the replica serves on
+
+
+def test_the_same_seed_gives_the_same_text_alone_and_in_a_batch(laya_engine: Engine) -> None:
+    prompt = ids(laya_engine, TEXTS[1])
+    seeded = {"max_tokens": 20, "temperature": 1.0, "seed": 1234, "ignore_eos": True}
+    alone = run(laya_engine, prompt, **seeded)
+    again = run(laya_engine, prompt, **seeded)
+    crowd = together(laya_engine, (ids(laya_engine, TEXTS[0]), {"max_tokens": 12}),
+                     (prompt, seeded), (prompt, {**seeded, "seed": 99}),
+                     (ids(laya_engine, TEXTS[3]), {"max_tokens": 6, "temperature": 0.7}))
+    assert alone.tokens == again.tokens == crowd[1].tokens
+    idle(laya_engine)
+
+
+def test_the_allowed_token_mask_is_honoured(laya_engine: Engine) -> None:
+    assert laya_engine.info is not None
+    vocab = laya_engine.info.vocab_size
+    allowed = sorted(set(ids(laya_engine, " yes no maybe")[-3:]) | {vocab - 1})
+    mask = AllowedTokens.of(allowed, vocab)
+
+    def constraint(generated: Sequence[int]) -> AllowedTokens:
+        return mask
+
+    for temperature in (0.0, 1.0):
+        out = asyncio.run(one(laya_engine, ids(laya_engine, TEXTS[1]), SamplingParams(
+            max_tokens=12, temperature=temperature, seed=5, ignore_eos=True), constraint))
+        assert out.tokens and set(out.tokens) <= set(allowed), (temperature, out.tokens)
+    idle(laya_engine)
+
+
+def test_stop_strings_stop_tokens_and_max_tokens_are_honoured(laya_engine: Engine) -> None:
+    prompt = ids(laya_engine, TEXTS[0])
+    free = run(laya_engine, prompt, max_tokens=24, temperature=0.0, ignore_eos=True)
+    assert free.finish is FinishReason.LENGTH and len(free.tokens) == 24
+    text = free.text
+    stop = next(text[i:i + 3] for i in range(4, len(text) - 3) if text[i:i + 3].strip())
+    stopped = run(laya_engine, prompt, max_tokens=24, temperature=0.0, ignore_eos=True,
+                  stop=(stop,))
+    assert stopped.finish is FinishReason.STOP
+    assert stopped.text == text[:text.index(stop)], (stop, stopped.text)
+    token = free.tokens[6]
+    by_token = run(laya_engine, prompt, max_tokens=24, temperature=0.0, ignore_eos=True,
+                   stop_token_ids=(token,))
+    assert by_token.finish is FinishReason.STOP
+    assert by_token.tokens == free.tokens[:free.tokens.index(token) + 1]
+    short = run(laya_engine, prompt, max_tokens=5, temperature=0.0, ignore_eos=True)
+    assert short.finish is FinishReason.LENGTH and short.tokens == free.tokens[:5]
+    idle(laya_engine)
+
+
+@pytest.mark.parametrize("text", TEXTS[3:])
+def test_incremental_detokenization_never_splits_a_character(laya_engine: Engine,
+                                                             text: str) -> None:
+    """Streamed pieces are whole characters: they add up to the decoded tokens, and none
+    holds a replacement character the whole text does not."""
+    assert laya_engine.tokenizer is not None
+    out = run(laya_engine, ids(laya_engine, f"Repeat after me: {text} {text}"),
+              max_tokens=40, temperature=0.0, ignore_eos=True)
+    whole = laya_engine.tokenizer.decode(list(out.tokens))
+    assert out.text == whole
+    if "\ufffd" not in whole:
+        assert not [piece for piece in out.texts if "\ufffd" in piece]
+    idle(laya_engine)
+
+
+def test_no_kv_leaks_after_many_sequences(laya_engine: Engine) -> None:
+    async def go() -> list[Run]:
+        runs = []
+        for wave in range(6):
+            runs += await asyncio.gather(*(one(
+                laya_engine, ids(laya_engine, f"{TEXTS[i % len(TEXTS)]} {wave}"),
+                SamplingParams(max_tokens=1 + (i * 5 + wave) % 11, temperature=0.8,
+                               ignore_eos=True),
+                cancel_after=2 if i == 3 else None) for i in range(6)))
+        return runs
+
+    runs = asyncio.run(go())
+    assert len(runs) == 36 and all(r.finish in (FinishReason.LENGTH, FinishReason.CANCELLED)
+                                   for r in runs)
+    idle(laya_engine)
+    # A sequence of the full max_seq_len still fits: nothing was lost to leaked blocks.
+    prompt = ids(laya_engine, LONG)
+    room = laya_engine.config.max_seq_len - len(prompt)  # type: ignore[operator]
+    full = run(laya_engine, prompt, max_tokens=room, temperature=0.0, ignore_eos=True)
+    assert len(full.tokens) == room
+    idle(laya_engine)
+
+
+def test_the_suite_ran_on_a_real_model_file(laya_engine: Engine) -> None:
+    path = laya_engine.config.path
+    assert Path(path).exists(), path
