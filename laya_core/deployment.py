@@ -55,7 +55,7 @@ class Deployment:
         self.plan = plan
         # Refusals decided before a request reaches an engine: (model, reason) -> count.
         self.rejections: collections.Counter[tuple[str, str]] = collections.Counter()
-        router_name = manifest.router.impl or ("cpp" if "cpp" in registry.routers else "python")
+        router_name = registry.router_name(manifest.router.impl)
         self.router_name = router_name
         self.router: Router = registry.routers[router_name].obj()
         self.engines: list[Engine] = []

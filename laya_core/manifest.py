@@ -124,9 +124,9 @@ def _model(data: Any, index: int, base_dir: Path, problems: Problems) -> ModelCo
                            check=lambda v: None if v in KV_CACHE_DTYPES else
                            f"must be one of {', '.join(KV_CACHE_DTYPES)}")
     prefix_caching = t.get("prefix_caching", bool, True)
-    routing = t.get("routing", str, "prefix",
-                    check=lambda v: None if v in POLICIES else
-                    f"must be one of {', '.join(POLICIES)}")
+    # Checked against the chosen router's policies in resolve(): a router plugin may bring
+    # its own.
+    routing = t.get("routing", str, "prefix", check=non_empty)
     replicas = t.int_in("replicas", 1, 64, 1)
     max_step_tokens = t.int_in("max_step_tokens", 1, 65536, 512)
     max_queue = t.int_in("max_queue", 0, 100_000, 64)
@@ -244,13 +244,22 @@ def _resolve(manifest: Manifest, registry: Any, need_backends: bool,
     if need_backends:
         with problems.guard():
             check_host_resolves(manifest.server.host)
+    policies: tuple[str, ...] = ()
     if manifest.router.impl is not None and manifest.router.impl not in registry.routers:
         known = ", ".join(sorted(registry.routers))
         problems.add("router.impl",
                      f"no router {manifest.router.impl!r} is installed; known: {known}")
+    else:
+        router = registry.router_name(manifest.router.impl)
+        policies = tuple(getattr(registry.routers[router].obj, "policies", POLICIES))
     models = []
     for i, m in enumerate(manifest.models):
         index = _index_of(manifest, m, i)
+        if policies and m.routing not in policies:
+            problems.add(f"models[{index}].routing",
+                         f"must be one of {', '.join(policies)} (the policies of the "
+                         f"{registry.router_name(manifest.router.impl)} router), not "
+                         f"{m.routing!r}")
         with problems.guard():
             models.append(_resolve_model(m, index, registry, need_backends, problems))
     return attrs.evolve(manifest, models=tuple(models))

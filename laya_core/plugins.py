@@ -231,6 +231,11 @@ class Registry:
             "cache_policy": self.cache_policies,
         }[family]
 
+    def router_name(self, impl: str | None) -> str:
+        """The router a deployment uses: ``[router] impl``, else the C++ one where it is
+        installed, else the Python reference."""
+        return impl or ("cpp" if "cpp" in self.routers else "python")
+
     def cache_policy_for(self, backend: str, cache_policy: str = "auto") -> Any:
         """The KV-cache policy class a model uses: ``cache_policy`` by name, or with
         ``"auto"`` the first registered one serving the backend's ``kv_layout``."""

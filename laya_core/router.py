@@ -98,7 +98,10 @@ def _pack(token_ids: Sequence[int]) -> bytes:
 
 
 class Router(Protocol):
-    """What the HTTP layer needs from a router. Replica ids are small non-negative integers."""
+    """What the HTTP layer needs from a router. Replica ids are small non-negative integers.
+
+    A router class may say which policies it offers in a ``policies`` class attribute (a
+    manifest's ``routing`` is checked against it); without one, :data:`POLICIES`."""
 
     def add_replica(self, model: str, replica: int, weight: int = 1) -> None:
         """Add ``replica`` to the pool of ``model`` (state UP, no outstanding requests)."""

@@ -1,0 +1,1 @@
+"""Weighted random routing for Laya: the ``random`` router."""
