@@ -152,7 +152,7 @@ def _from_dict(data: Mapping[str, Any], source: str, base_dir: Path,
                problems: Problems) -> Manifest:
     """Read every table, recording problems; broken model entries are left out."""
     t = Table(data, "", problems)
-    server = parse_server(t.get("server", dict, {}), problems)
+    server = parse_server(t.get("server", dict, {}), problems, base_dir)
     memory = _memory(t.get("memory", dict, {}), problems)
     router = _router(t.get("router", dict, {}), problems)
     raw_models = t.get("models", list, required=True)

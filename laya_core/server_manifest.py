@@ -52,9 +52,11 @@ def _key_problem(key: object) -> str | None:
     return None if key.isprintable() else "an API key may not hold control characters"
 
 
-def _read_key_file(name: str) -> list[str]:
-    """Keys one a line, stripped; blank lines and lines starting with # are skipped."""
+def _read_key_file(name: str, base_dir: Path) -> list[str]:
+    """Keys one a line, stripped; blank lines and lines starting with # are skipped. A
+    relative path is the manifest folder's, as every path of a manifest is."""
     path = Path(name).expanduser()
+    path = path if path.is_absolute() else base_dir / path
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # opening a FIFO must not wait
         try:
@@ -93,7 +95,7 @@ def _env_keys(env: str) -> list[str]:
     return keys
 
 
-def _api_keys(t: Table) -> list[str]:
+def _api_keys(t: Table, base_dir: Path) -> list[str]:
     keys = []
     for i, k in enumerate(t.get("api_keys", list, [])):
         if problem := _key_problem(k):
@@ -107,7 +109,7 @@ def _api_keys(t: Table) -> list[str]:
     key_file = t.get("api_keys_file", str)
     if key_file is not None:
         with t.problems.guard():
-            keys += _read_key_file(key_file)
+            keys += _read_key_file(key_file, base_dir)
     return keys
 
 
@@ -116,13 +118,13 @@ SERVER_KEYS = ("host", "port", "api_keys", "api_keys_env", "api_keys_file", "max
                "metrics_need_api_key")
 
 
-def parse_server(data: Any, problems: Problems) -> ServerConfig:
+def parse_server(data: Any, problems: Problems, base_dir: Path = Path()) -> ServerConfig:
     """The ``[server]`` table; its problems go to ``problems`` and defaults stand in."""
     t = Table(data, "server", problems)
     host = t.get("host", str, "127.0.0.1",
                  check=lambda v: non_empty(v) or _host_problem(v))
     port = t.int_in("port", 0, 65535, 8000)
-    keys = _api_keys(t)
+    keys = _api_keys(t, base_dir)
     body: int | str = t.get("max_body_bytes", (int, str), 4 * 2**20)
     shutdown = t.get("shutdown_timeout_s", (int, float), 30.0,
                      check=lambda v: None if 0 <= v <= 3600 else "must be 0 to 3600 seconds")

@@ -65,3 +65,28 @@ def test_every_flag_and_variable_is_documented() -> None:
         for name in (*s.flags, s.env):
             assert f"`{name}" in text, f"{name} is not in spec/manifest.md"
     assert f"`{MODEL_ENV}`" in text
+
+
+def test_the_manifest_with_every_key_holds_every_key_and_passes_check(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tomllib
+
+    text = SPEC.read_text(encoding="utf-8")
+    block = re.search(r"## Every key, in one manifest.*?```toml\n(.*?)```", text, re.S)
+    assert block, "spec/manifest.md has no manifest with every key"
+    data = tomllib.loads(block.group(1))
+    assert set(data) == set(mf.TOP_KEYS)
+    assert set(data["server"]) == set(mf.SERVER_KEYS)
+    assert set(data["memory"]) == set(mf.MEMORY_KEYS)
+    assert set(data["router"]) == set(mf.ROUTER_KEYS)
+    (model,) = data["models"]
+    assert set(model) == set(mf.MODEL_KEYS)
+    folder = tmp_path / "deploy"
+    folder.mkdir()
+    (folder / "laya.toml").write_text(block.group(1))
+    (folder / "keys.txt").write_text("sk-laya-from-the-file\n")
+    monkeypatch.setenv("LAYA_EXTRA_KEYS", "sk-laya-from-the-env")
+    monkeypatch.chdir(tmp_path)  # api_keys_file is the manifest folder's, not the cwd's
+    manifest = mf.resolve(mf.load(folder / "laya.toml"), load_registry())
+    assert set(manifest.server.api_keys) == {"sk-laya-example-1", "sk-laya-from-the-env",
+                                             "sk-laya-from-the-file"}
