@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -62,12 +63,31 @@ def laya_deployment(laya_registry: Registry,
     manifest = mf.resolve(mf.from_dict({"models": [laya_model]}), laya_registry)
     plan = planner.make_plan(manifest, laya_registry)  # as laya serve starts a replica
     deployment = Deployment(planner.decided_manifest(manifest, plan), laya_registry, plan)
+    rss_before[0] = rss()
     deployment.start()
     if not deployment.wait_ready(300):
         deployment.stop()
         pytest.fail(f"the replica did not load: {deployment.engines[0].error}")
     yield deployment
     deployment.stop()
+
+
+rss_before = [0]  # the process's RSS before the replica under test started
+
+
+def rss() -> int:
+    """This process's resident memory, bytes (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+@pytest.fixture(scope="session")
+def laya_rss_growth(laya_deployment: Deployment) -> int:
+    """How much the process's RSS grew since just before the replica started."""
+    return rss() - rss_before[0]
 
 
 @pytest.fixture(scope="session")

@@ -79,7 +79,7 @@ def idle(engine: Engine) -> None:
 
 
 def test_the_memory_profile_is_sane_and_is_what_the_replica_holds(
-        laya_deployment: Deployment, laya_engine: Engine) -> None:
+        laya_deployment: Deployment, laya_engine: Engine, laya_rss_growth: int) -> None:
     config = laya_engine.config
     backend_cls = type(laya_engine.backend)
     profile = backend_cls.memory_profile(config, read_shape(config.path))
@@ -94,6 +94,11 @@ def test_the_memory_profile_is_sane_and_is_what_the_replica_holds(
     # The pool the cache policy allocated holds the planned tokens, less at most one
     # block's rounding.
     assert planned_tokens - 16 < laya_engine.kv_capacity_tokens <= planned_tokens
+    # Loaded and allocated, the replica holds no more than its ledger says (the ledger's
+    # tolerance for the KV pool; a backend that maps its weights lazily holds less).
+    assert laya_rss_growth <= ledger.total_bytes * 1.10, (
+        f"the replica grew the process by {laya_rss_growth / 2**20:.1f} MiB; its ledger "
+        f"says {ledger.total_bytes / 2**20:.1f} MiB")
 
 
 def test_chunked_prefill_and_decode_give_the_tokens_of_a_lone_run(laya_engine: Engine) -> None:
