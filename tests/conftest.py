@@ -109,8 +109,9 @@ def smollm_manifest(backend: str) -> str:
 
 # What makes each backend's greedy output exactly repeatable (docs/architecture.md,
 # "Determinism"): a fixed thread count, and llama.cpp's flash attention off, or torch's
-# 16-bit kernels, whose rows are the same bits in any batch (/ready's batch_invariant; its
-# float32 kernels are not). One torch thread: two beside a busy process (this one's
+# 16-bit and integer kernels (bfloat16 with the file's int4 layers, quantize "auto"), whose
+# rows are the same bits in any batch, with attention in float64 (/ready's batch_invariant;
+# its float32 kernels are not). One torch thread: two beside a busy process (this one's
 # references, other tests) decode four times slower (spec/manifest.md, n_threads).
 REPEATABLE_OPTIONS = {"llamacpp": "flash_attn = false\nn_threads = 2\n",
                       "torch": 'dtype = "bfloat16"\nn_threads = 1\ndeterministic = true\n'}

@@ -73,8 +73,8 @@ def reader() -> gguf.GGUFReader:
 
 
 @pytest.fixture(scope="module")
-def tok(reader: gguf.GGUFReader) -> HFTokenizer:
-    return load_tokenizer(EMBEDDED, reader=reader)
+def tok() -> HFTokenizer:
+    return load_tokenizer(EMBEDDED)
 
 
 @pytest.fixture(scope="module")

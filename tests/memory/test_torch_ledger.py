@@ -16,7 +16,8 @@ MODEL = {"name": "smollm2", "path": "embedded:smollm2-135m-instruct", "backend":
          "max_seq_len": 256, "max_num_seqs": 4, "max_step_tokens": 128}
 # One thread each: the four run at once, and the plan's runtime line counts threads.
 DTYPES = {"float32": {"dtype": "float32", "n_threads": 1},
-          "bfloat16": {"dtype": "bfloat16", "n_threads": 1},
+          # Dense: quantize "auto" would keep the file's int4 layers (the int4 case).
+          "bfloat16": {"dtype": "bfloat16", "quantize": "none", "n_threads": 1},
           "int8": {"dtype": "bfloat16", "quantize": "int8", "n_threads": 1},
           "int4": {"dtype": "bfloat16", "quantize": "int4", "n_threads": 1}}
 MIB = 2**20
@@ -67,9 +68,9 @@ def test_rss_matches_the_ledger(dtype: str, reports: dict[str, dict[str, Any]]) 
           f"ledger {ledger['total_bytes'] / MIB:.1f} MiB (its load peak line "
           f"{lines.get('load peak', 0) / MIB:.1f})")
     # libtorch's code is mapped from its files, resident as far as the page cache lets the
-    # kernel map pages around each fault: 209 to 283 MiB measured. The line is the most
+    # kernel map pages around each fault: 198 to 283 MiB measured. The line is the most
     # measured, so it must hold the runtime, and not overstate it by more than that spread.
-    assert 0.7 * runtime_ledger <= runtime <= runtime_ledger * (1 + WEIGHTS_TOLERANCE)
+    assert 0.65 * runtime_ledger <= runtime <= runtime_ledger * (1 + WEIGHTS_TOLERANCE)
     assert close(weights, weights_ledger, WEIGHTS_TOLERANCE)
     assert close(kv, ledger["kv_pool_bytes"], KV_TOLERANCE)
     # The largest step's activations and logits, at their peak, and what stays of them.

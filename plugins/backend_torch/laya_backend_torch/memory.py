@@ -49,9 +49,10 @@ TORCH_RUNTIME_BYTES_PER_THREAD = 2 * MIB
 # cache, full after a few thousand tokens of text (10 MiB).
 TOKENIZER_BYTES = 16 * MIB
 TOKENIZER_BYTES_PER_TOKEN = 820
-# Reading a GGUF vocabulary (gguf.GGUFReader: numpy views of every string) needs for a
-# moment 227 MiB above what the tokenizer keeps, for 49,152 tokens.
-VOCAB_READ_BYTES_PER_TOKEN = 4_850
+# Reading a GGUF vocabulary (gguf_checkpoint.read_metadata: its strings as Python objects,
+# 9.1 MiB for 49,152 tokens and as many merges, and the header's bytes, 4 MiB) holds for a
+# moment what the tokenizer does not keep.
+VOCAB_READ_BYTES_PER_TOKEN = 300
 # Quantizing the output head (the tied embedding, or lm_head) to int8 at the end of the load
 # holds it in float32 (4 B an element) with two float32 temporaries (w / scale, rounded)
 # while its int8 copy (1 B) is made: 11 B an element above the loaded weights.

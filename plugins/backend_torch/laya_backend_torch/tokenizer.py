@@ -203,22 +203,23 @@ class HFTokenizer(Tokenizer):
         (out / "tokenizer_config.json").write_text(text + "\n")
 
 
-def load_tokenizer(path: str | Path, *, reader: Any = None) -> HFTokenizer:
-    """The tokenizer of a GGUF file or of a Hugging Face model folder (tokenizer.json).
-
-    ``reader``: a ``gguf.GGUFReader`` of that file already open (the weight loader's); reading
-    the metadata again takes seconds (2.7 s for the embedded model's 49k tokens)."""
+def load_tokenizer(path: str | Path) -> HFTokenizer:
+    """The tokenizer of a GGUF file (its metadata, read by gguf_checkpoint.read_metadata) or
+    of a Hugging Face model folder (tokenizer.json)."""
     p = Path(path)
     if p.is_dir():
         return _from_hf_dir(p)
-    if reader is None:
-        with p.open("rb") as f:
-            if f.read(4) != b"GGUF":
-                raise ValueError(f"{p} is neither a GGUF file nor a folder with tokenizer.json")
-        import gguf
+    with p.open("rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{p} is neither a GGUF file nor a folder with tokenizer.json")
+    from laya_backend_torch.checkpoint import CheckpointError
+    from laya_backend_torch.gguf_checkpoint import read_metadata
 
-        reader = gguf.GGUFReader(str(p))
-    return _from_gguf(p, reader)
+    try:
+        meta = read_metadata(p)
+    except CheckpointError as e:
+        raise ValueError(str(e)) from None
+    return _from_gguf(p, meta)
 
 
 def _apply_llama_rules(texts: Sequence[str], kinds: bytearray,
@@ -247,34 +248,29 @@ def _apply_llama_rules(texts: Sequence[str], kinds: bytearray,
     return frozenset(eog)
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def _from_gguf(path: Path, reader: Any) -> HFTokenizer:
-    model = _field(reader, "tokenizer.ggml.model")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
+def _from_gguf(path: Path, meta: dict[str, Any]) -> HFTokenizer:
+    model = meta.get("tokenizer.ggml.model")
+    tokens = meta.get("tokenizer.ggml.tokens")
     if tokens is None:
         raise ValueError(f"{path} has no tokenizer.ggml.tokens: no vocabulary to load")
     # llama.cpp reads each text as a C string and names the empty ones.
     texts = [t.partition("\0")[0] or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
-    types = _field(reader, "tokenizer.ggml.token_type") or [NORMAL] * len(texts)
+    types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(texts)
     kinds = bytearray(t if NORMAL <= t <= BYTE else 0 for t in types)
-    pre_name = _field(reader, "tokenizer.ggml.pre") or "default"
+    pre_name = meta.get("tokenizer.ggml.pre") or "default"
     if model == "gpt2":
         pre = PRE_TOKENIZERS.get(pre_name)
         if pre is None:
             raise ValueError(f"{path}: tokenizer.ggml.pre {pre_name!r} is not supported by the "
                              f"torch backend's tokenizer; known: {', '.join(PRE_TOKENIZERS)}")
         # "a b" at the first space after the first character, as llama.cpp splits them.
-        merges = [(m[:i], m[i + 1:]) for m in _field(reader, "tokenizer.ggml.merges", [])
+        merges = [(m[:i], m[i + 1:]) for m in meta.get("tokenizer.ggml.merges", [])
                   if (i := m.find(" ", 1)) > 0]
         hf = _byte_level_bpe(texts, merges, pre)
         defaults, add_bos = {"bos": 11, "eos": 11}, pre.add_bos
     elif model == "llama":
-        scores = _field(reader, "tokenizer.ggml.scores") or [0.0] * len(texts)
-        prefix = _field(reader, "tokenizer.ggml.add_space_prefix", True)
+        scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(texts)
+        prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
         hf = _sentencepiece_bpe(texts, kinds, scores, add_space_prefix=bool(prefix))
         defaults, add_bos = {"bos": 1, "eos": 2}, True
     else:
@@ -282,13 +278,13 @@ def _from_gguf(path: Path, reader: Any) -> HFTokenizer:
                          "backend's tokenizer (it reads 'gpt2' and 'llama' vocabularies)")
     named: dict[str, int | None] = {}
     for key in ["bos", "eos", "eot", "eom", *(f"fim_{role}" for role in _FIM_TEXTS)]:
-        value = _field(reader, f"tokenizer.ggml.{key}_token_id", defaults.get(key))
+        value = meta.get(f"tokenizer.ggml.{key}_token_id", defaults.get(key))
         named[key] = value if value is not None and 0 <= value < len(texts) else None
     eog = _apply_llama_rules(texts, kinds, named)
-    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", add_bos))
-    add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", False))
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos))
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
     info = _finish(hf, texts, kinds, named["bos"], named["eos"], eog, add_bos, add_eos,
-                   _field(reader, "tokenizer.chat_template"))
+                   meta.get("tokenizer.chat_template"))
     return HFTokenizer(hf, info, texts, bytes(kinds), byte_level=model == "gpt2")
 
 
