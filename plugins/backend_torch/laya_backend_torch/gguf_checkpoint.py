@@ -6,8 +6,9 @@ rotary (Q by ``n_head``, K by ``n_head_kv``), which ``GGUFFile.tensors()`` undoe
 Llama 3's rotary as per-frequency divisors (``rope_freqs.weight``), which are mapped back to a
 llama3 ``rope_scaling``. The header is scanned here rather than by ``gguf.GGUFReader``, which
 parses every vocabulary string into numpy (about 2 s for 49k tokens) before it gives a single
-value; the memory planner calls ``read_config`` for each model. ``checkpoint.open_checkpoint``
-is the entry point; this module is imported when it meets a GGUF file.
+value; the memory planner calls ``read_config`` for each model, and the tokenizer reads the
+vocabulary through ``read_metadata``. ``checkpoint.open_checkpoint`` is the entry point; this
+module is imported when it meets a GGUF file.
 """
 
 from __future__ import annotations
