@@ -58,12 +58,13 @@ def warm_up(config: ModelConfig) -> None:
     import torch
 
     from laya_backend_torch import options
-    from laya_backend_torch.checkpoint import read_config, stored_quantization
+    from laya_backend_torch.checkpoint import read_header
     from laya_backend_torch.model import LlamaModel, build_batch
 
-    chosen = options.choose(config.options, stored_quantization(config.path))
+    shape, stored = read_header(config.path)
+    chosen = options.choose(config.options, stored)
     torch.set_num_threads(chosen.threads)
-    tiny = attrs.evolve(read_config(config.path), vocab_size=256, num_layers=1)
+    tiny = attrs.evolve(shape, vocab_size=256, num_layers=1)
     gen = torch.Generator().manual_seed(0)
     tensors = ((name, torch.randn(shape, generator=gen) * 0.02)
                for name, shape in tiny.tensor_shapes().items())

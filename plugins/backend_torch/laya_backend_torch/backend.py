@@ -60,18 +60,18 @@ class TorchBackend(Backend):
     def load_weights(self) -> ModelInfo:
         import torch
 
-        from laya_backend_torch.checkpoint import open_checkpoint, stored_quantization
+        from laya_backend_torch.checkpoint import open_checkpoint
         from laya_backend_torch.model import LlamaModel
         from laya_backend_torch.tokenizer import load_tokenizer
 
         self._torch = torch
-        chosen = options.choose(self.config.options, stored_quantization(self.config.path))
+        checkpoint = open_checkpoint(self.config.path)
+        cfg = checkpoint.config
+        chosen = options.choose(self.config.options, checkpoint.quantization)
         torch.set_num_threads(chosen.threads)
         self._governor = ThreadGovernor(chosen.threads) if chosen.auto_threads else None
         self._device = torch.device(chosen.device)
         self._dtype = getattr(torch, chosen.dtype)
-        checkpoint = open_checkpoint(self.config.path)
-        cfg = checkpoint.config
         self._tokenizer = tok = load_tokenizer(self.config.path)
         max_positions = max(self.config.max_seq_len or 4096, 16)
         with torch.inference_mode():

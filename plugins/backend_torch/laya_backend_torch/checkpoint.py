@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from laya_backend_torch.gguf_checkpoint import GGUFFile
 
 __all__ = ["Checkpoint", "CheckpointError", "LlamaConfig", "llama3_rope_factors",
-           "open_checkpoint", "read_config"]
+           "open_checkpoint", "read_config", "read_header"]
 
 # architecture (GGUF general.architecture, Hugging Face model_type) -> transformers class
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -131,6 +131,12 @@ class Checkpoint:
     _source: GGUFFile | _HFFolder
 
     @property
+    def quantization(self) -> str:
+        """How the file stores most layer matrices, as a ``quantize`` value: "int4" for 4-bit
+        GGUF types, "int8" for Q8_0, "none" for floats (and every Hugging Face folder)."""
+        return str(getattr(self._source, "quantization", "none"))
+
+    @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Hugging Face name -> shape of every tensor, in the order ``tensors()`` yields."""
         return self.config.tensor_shapes()
@@ -154,11 +160,10 @@ def read_config(path: str) -> LlamaConfig:
     return _open(path).config
 
 
-def stored_quantization(path: str) -> str:
-    """How the file stores most layer matrices, as a ``quantize`` value: "int4" for 4-bit
-    GGUF types, "int8" for Q8_0, "none" for floats (and every Hugging Face folder)."""
+def read_header(path: str) -> tuple[LlamaConfig, str]:
+    """The config and ``Checkpoint.quantization``, from one read of the headers."""
     source = _open(path)
-    return getattr(source, "quantization", "none")
+    return source.config, getattr(source, "quantization", "none")
 
 
 def _open(path: str) -> GGUFFile | _HFFolder:

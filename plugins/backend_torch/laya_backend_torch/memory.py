@@ -89,16 +89,6 @@ def planned_dtype(config: ModelConfig) -> str:
     return "bfloat16" if native_bf16() else "float32"
 
 
-def planned_quantize(config: ModelConfig) -> str:
-    """The ``quantize`` ``options.choose`` will settle on."""
-    from laya_backend_torch.checkpoint import stored_quantization
-    from laya_backend_torch.options import quantization
-
-    if config.options.get("quantize", "auto") != "auto":
-        return str(config.options["quantize"])
-    return quantization(config.options, stored_quantization(config.path))[0]
-
-
 def planned_threads(config: ModelConfig) -> int:
     """The torch threads ``options.choose`` will start with."""
     from laya_core.threads import physical_cores
@@ -107,7 +97,7 @@ def planned_threads(config: ModelConfig) -> int:
     return physical_cores() if threads == "auto" else int(threads)
 
 
-def weight_bytes(config: ModelConfig, c: LlamaConfig) -> tuple[int, str]:
+def weight_bytes(config: ModelConfig, c: LlamaConfig, quantize: str) -> tuple[int, str]:
     """The loaded weights' bytes, and how they were counted."""
     dtype = planned_dtype(config)
     size = _DTYPE_BYTES[dtype]
@@ -119,7 +109,6 @@ def weight_bytes(config: ModelConfig, c: LlamaConfig) -> tuple[int, str]:
     if c.attention_bias:
         vectors += c.num_layers * (q + 2 * kv)
     embedding = c.vocab_size * c.hidden_size
-    quantize = planned_quantize(config)
     if quantize != "none":
         # The output head in int8 with a bfloat16 scale per row; an untied input embedding
         # stays dense. The layers' matrices in int8 too, or in int4: half a byte an element
@@ -139,13 +128,14 @@ def weight_bytes(config: ModelConfig, c: LlamaConfig) -> tuple[int, str]:
     return (matrices + embeddings + vectors) * size, f"{dtype}, every tensor"
 
 
-def activation_bytes(config: ModelConfig, c: LlamaConfig, shape: ModelShape) -> int:
+def activation_bytes(config: ModelConfig, c: LlamaConfig, shape: ModelShape,
+                     quantize: str) -> int:
     """The largest step's activations: every step token through the layers, plus the
     widest attention read, at most the whole pool's history."""
     size = _DTYPE_BYTES[planned_dtype(config)]
     width = c.hidden_size + c.intermediate_size
     per_token = 8 * width * size + 8 * c.num_heads * c.head_dim
-    if planned_quantize(config) != "none":
+    if quantize != "none":
         per_token += 10 * width
     kv_width = shape.n_kv_heads * (shape.head_dim_k + shape.head_dim_v)
     pool_bytes = kv_bytes_per_token(shape, config.kv_cache_dtype) // (shape.n_layers
@@ -172,33 +162,35 @@ def logits_bytes(config: ModelConfig, vocab_size: int) -> tuple[int, int, int]:
 
 
 def load_transient_bytes(config: ModelConfig, c: LlamaConfig, weights: int,
-                         vocabulary: int) -> int:
+                         vocabulary: int, quantize: str) -> int:
     """What the load holds for a moment above the loaded weights and tokenizer."""
     reading = 0
     if not Path(config.path).is_dir():  # a GGUF file's vocabulary
         reading = max(0, c.vocab_size * VOCAB_READ_BYTES_PER_TOKEN - weights - vocabulary)
-    if planned_quantize(config) == "none":
+    if quantize == "none":
         return reading
     return max(reading, c.vocab_size * c.hidden_size * INT8_HEAD_TRANSIENT_BYTES)
 
 
 def memory_profile(config: ModelConfig, shape: ModelShape) -> MemoryProfile:
-    from laya_backend_torch.checkpoint import read_config
+    from laya_backend_torch.checkpoint import read_header
+    from laya_backend_torch.options import quantization
 
-    c = read_config(config.path)
-    weights, how = weight_bytes(config, c)
+    c, stored = read_header(config.path)
+    quantize, _ = quantization(config.options, stored)  # as options.choose will
+    weights, how = weight_bytes(config, c, quantize)
     kv_per_token = kv_bytes_per_token(shape, config.kv_cache_dtype)
-    activations = activation_bytes(config, c, shape)
+    activations = activation_bytes(config, c, shape, quantize)
     logits, sampled, scored = logits_bytes(config, shape.vocab_size)
     vocabulary = TOKENIZER_BYTES + shape.vocab_size * TOKENIZER_BYTES_PER_TOKEN
     threads = planned_threads(config)
     runtime = TORCH_RUNTIME_BYTES
-    if planned_dtype(config) != "float32" and planned_quantize(config) == "none":
+    if planned_dtype(config) != "float32" and quantize == "none":
         runtime += TORCH_RUNTIME_16_BIT_KERNELS_BYTES
     # The load's transient is over before the pool, activations and logits exist; only what
     # they do not cover is planned on top.
     later = kv_per_token * pool_tokens(config) + activations + logits
-    load = max(0, load_transient_bytes(config, c, weights, vocabulary) - later)
+    load = max(0, load_transient_bytes(config, c, weights, vocabulary, quantize) - later)
     overheads = [
         Overhead("step activations", activations,
                  f"{config.max_step_tokens} step tokens x 8 x (hidden + intermediate) x dtype "

@@ -118,7 +118,7 @@ def cpu_capability() -> str:
 
 def quantization(opts: dict[str, Any], stored: str) -> tuple[str, str]:
     """(the ``quantize`` a replica runs with, why), for a file whose layers are stored as
-    ``stored`` (checkpoint.stored_quantization)."""
+    ``stored`` (``Checkpoint.quantization``)."""
     asked = opts.get("quantize", "auto")
     if asked != "auto":
         return asked, "set in the manifest"
