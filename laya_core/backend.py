@@ -129,6 +129,9 @@ class Backend(abc.ABC):
     # Whether step() scores ``StepItem.score_targets`` (prompt log-probabilities); requests
     # asking for them are refused on backends that do not.
     supports_prompt_logprobs: ClassVar[bool] = False
+    # Whether ``embed`` computes embeddings (``/v1/embeddings``); requests for a model whose
+    # backend does not are refused with a 400 naming the model.
+    supports_embeddings: ClassVar[bool] = False
     # The keys ``[models.options]`` may hold for this backend; anything else is a manifest error.
     option_names: ClassVar[frozenset[str]] = frozenset()
 
@@ -210,6 +213,19 @@ class Backend(abc.ABC):
     def free_sequence(self, seq_id: int) -> None:
         """Drop the sampler state of a sequence that left (and, on the streams layout, the
         KV of its stream)."""
+
+    def embed(self, token_ids: Sequence[int]) -> Sequence[float]:
+        """The embedding of one input (only asked of a backend with ``supports_embeddings``):
+        the final norm's hidden states of ``token_ids`` pooled as the model declares
+        (``ModelShape.pooling``; else the last token's), as a 1-D float vector of the hidden
+        size (a list or a numpy array). The core normalizes it to unit length.
+
+        Called on the engine thread between two steps, never during one, with at most
+        ``max_seq_len`` tokens, all inside the vocabulary. It must leave every running
+        sequence's KV and sampler state as it found them; the memory it needs (a context or
+        scratch KV of its own) is allocated by ``allocate_kv`` and counted by
+        ``memory_profile`` as an ``embeddings`` line."""
+        raise NotImplementedError(f"the {self.name} backend cannot compute embeddings")
 
     def describe(self) -> dict[str, Any]:
         """How this instance runs, for the start-up log and ``/ready``: the hardware and

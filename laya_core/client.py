@@ -22,6 +22,7 @@ from typing import Any
 import attrs
 
 from laya_core.backend import ModelInfo
+from laya_core.embeddings import Embeddings, EmbeddingsUnsupportedError
 from laya_core.engine import (
     Engine,
     EngineState,
@@ -116,6 +117,18 @@ class EngineClient(abc.ABC):
         """How the replica's backend runs (``Backend.describe``), plain JSON values."""
         return {}
 
+    def supports_embeddings(self) -> bool:
+        """Whether the replica's backend computes embeddings (``Backend.supports_embeddings``);
+        raises :class:`EngineUnavailableError` until the load succeeded."""
+        return False
+
+    async def embed(self, inputs: Sequence[Sequence[int]]) -> Embeddings:
+        """The unit-length embedding of each input (token ids, each at most max_seq_len and
+        inside the vocabulary). Raises :class:`EmbeddingsUnsupportedError` where the backend
+        cannot embed, and what ``submit`` raises (see the module's docstring)."""
+        raise EmbeddingsUnsupportedError(f"{self.model} replica {self.replica_id} cannot "
+                                         "compute embeddings")
+
 
 class LocalEngineClient(EngineClient):
     """An :class:`Engine` running on a thread of this process."""
@@ -167,3 +180,11 @@ class LocalEngineClient(EngineClient):
 
     def runtime(self) -> dict[str, Any]:
         return self._engine.runtime()
+
+    def supports_embeddings(self) -> bool:
+        self.info()  # raises until loaded
+        return self._engine.backend.supports_embeddings
+
+    async def embed(self, inputs: Sequence[Sequence[int]]) -> Embeddings:
+        # The job keeps lists of its own: nothing the caller holds is read on the engine thread.
+        return await self._engine.embed([list(ids) for ids in inputs])

@@ -8,6 +8,7 @@ into its request's asyncio queue: the loop wakes once per step, not once per tok
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import itertools
 import logging
@@ -16,10 +17,10 @@ import threading
 import time
 from collections.abc import Callable
 
-
 from laya_core.allowed_tokens import TokenConstraint
 from laya_core.backend import Backend, ModelConfig, ModelInfo
 from laya_core.detokenizer import IncrementalDetokenizer
+from laya_core.embeddings import Embeddings, EmbeddingsUnsupportedError, EmbedJob
 from laya_core.kv_cache import KVCache, KVOp
 from laya_core.live import Live
 from laya_core.memory_plan import scored_tokens_per_step, sizes_for
@@ -77,9 +78,11 @@ class Engine:
         self.max_seq_len = 0
         self.sizes: ModelConfig | None = None  # the config with its pool sizes decided
         self.scheduler: Scheduler | None = None
-        # What the engine thread is asked: a request to add, a sequence id to cancel, or None
-        # to stop.
-        self._inbox: queue.SimpleQueue[Live | int | None] = queue.SimpleQueue()
+        # What the engine thread is asked: a request to add, a sequence id to cancel, an
+        # embed request, or None to stop.
+        self._inbox: queue.SimpleQueue[Live | int | EmbedJob | None] = queue.SimpleQueue()
+        # Embed requests, run one input at a time between steps (laya_core/embeddings.py).
+        self._embed_jobs: collections.deque[EmbedJob] = collections.deque()
         self._live: dict[int, Live] = {}
         # Events of this step, by the event loop that reads them; see _flush.
         self._outbox: dict[asyncio.AbstractEventLoop,
@@ -139,6 +142,41 @@ class Engine:
             raise ValueError(f"the {self.backend.name} backend cannot compute prompt "
                              "log-probabilities")
         self.check_request(len(prompt_token_ids), params.max_tokens)
+        self._take_place()
+        loop = loop or asyncio.get_running_loop()
+        assert self.tokenizer is not None
+        seq = Sequence(next(self._ids), list(prompt_token_ids), params, constraint=constraint)
+        stream = GenerationStream(seq.seq_id, seq.num_prompt_tokens, self.cancel)
+        detok = IncrementalDetokenizer(self.tokenizer.token_bytes, params.stop)
+        self._inbox.put(Live(seq, loop, stream.queue, detok))
+        return stream
+
+    def embed(self, inputs: list[list[int]],
+              loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Future[Embeddings]:
+        """Queue an embed request (token ids per input); call from the event loop that
+        awaits the future. It waits in the same queue as generation requests, and runs on
+        the engine thread between steps, one input at a time."""
+        if self.state is not EngineState.READY:
+            raise EngineUnavailableError(
+                f"{self.config.name} replica {self.replica_id} is {self.state.value}")
+        if not self.backend.supports_embeddings:
+            raise EmbeddingsUnsupportedError(
+                f"the {self.backend.name} backend cannot compute embeddings")
+        if not inputs or not all(inputs):
+            raise ValueError("every input must hold at least one token")
+        longest = max(map(len, inputs))
+        if longest > self.max_seq_len:
+            raise RequestTooLongError(
+                f"an input has {longest} tokens, more than this model's max_seq_len of "
+                f"{self.max_seq_len}; shorten it")
+        self._take_place()
+        loop = loop or asyncio.get_running_loop()
+        job = EmbedJob(inputs, loop, loop.create_future())
+        self._inbox.put(job)
+        return job.future
+
+    def _take_place(self) -> None:
+        """Count one more request waiting, or raise :class:`QueueFullError`."""
         with self._lock:
             # max_queue = 0: nothing waits; a request runs at the next step or is refused
             # (_reject), so no more than a batch may be on its way in.
@@ -153,13 +191,6 @@ class Engine:
                     f"no room is free now on {self.config.name} replica {self.replica_id} "
                     "and max_queue is 0; retry later")
             self._num_queued += 1
-        loop = loop or asyncio.get_running_loop()
-        assert self.tokenizer is not None
-        seq = Sequence(next(self._ids), list(prompt_token_ids), params, constraint=constraint)
-        stream = GenerationStream(seq.seq_id, seq.num_prompt_tokens, self.cancel)
-        detok = IncrementalDetokenizer(self.tokenizer.token_bytes, params.stop)
-        self._inbox.put(Live(seq, loop, stream.queue, detok))
-        return stream
 
     def cancel(self, seq_id: int) -> None:
         self._inbox.put(seq_id)
@@ -245,8 +276,10 @@ class Engine:
         self.state = EngineState.READY
         self._ready.set()
         try:
-            while self._drain_inbox(block=not self.scheduler.has_work):  # type: ignore[union-attr]
+            while self._drain_inbox(block=not (self.scheduler.has_work  # type: ignore[union-attr]
+                                                or self._embed_jobs)):
                 self._step()
+                self._embed_next()
         except Exception as e:  # noqa: BLE001 - a plugin's fault fails this replica only
             self._fail(e)
         finally:
@@ -254,6 +287,8 @@ class Engine:
                 self.state = EngineState.STOPPED
                 for live in list(self._live.values()):
                     self._finish(live, FinishReason.CANCELLED, "")
+            for job in self._embed_jobs:
+                job.resolve(EngineUnavailableError(self.error or "the replica stopped"))
             self._flush()
             self.backend.close()
 
@@ -267,6 +302,9 @@ class Engine:
         self.state = EngineState.FAILED
         lives = list(self._live.values())
         self._live.clear()
+        for job in self._embed_jobs:
+            job.resolve(EngineUnavailableError(self.error))
+        self._embed_jobs.clear()
         while True:
             for live in lives:
                 seq = live.seq
@@ -278,6 +316,8 @@ class Engine:
             payload = self._inbox.get()  # what was submitted before the state said so
             if payload is None:
                 return
+            if isinstance(payload, EmbedJob):
+                payload.resolve(EngineUnavailableError(self.error))
             lives = [payload] if isinstance(payload, Live) else []
 
     def _emit(self, live: Live, event: TokenEvent) -> None:
@@ -305,8 +345,25 @@ class Engine:
                 return False
             if isinstance(payload, Live):
                 self._add(payload)
+            elif isinstance(payload, EmbedJob):
+                self._embed_jobs.append(payload)
             elif (live := self._live.get(payload)) is not None:
                 self._finish(live, FinishReason.CANCELLED, "")
+
+    def _embed_next(self) -> None:
+        """Embed the next input of the oldest embed request, between two steps: a step's
+        tokens wait at most one input's forward pass (at most max_seq_len tokens)."""
+        jobs = self._embed_jobs
+        while jobs and jobs[0].done:  # cancelled while it waited
+            jobs.popleft()
+            self._dequeued()
+        if not jobs:
+            return
+        self._flush()  # this step's tokens go out before the embedding runs
+        jobs[0].run_next(self.backend.embed)
+        if jobs[0].done:
+            jobs.popleft()
+            self._dequeued()
 
     def _add(self, live: Live) -> None:
         assert self.scheduler is not None

@@ -24,6 +24,7 @@ from gguf.constants import (
     GGUFValueType,
 )
 
+from laya_core.embeddings import pooling_of_folder, pooling_of_gguf
 from laya_core.model_checks import ModelFileError, check_metadata, vocab_size
 
 __all__ = ["ModelFileError", "ModelShape", "model_file_problem", "read_gguf", "read_hf_folder",
@@ -63,6 +64,9 @@ class ModelShape:
     # Element types of the weight matrices (GGUF type names in lower case, "q4_0"), leaving
     # out the token embedding, which is looked up rather than multiplied; empty when unknown.
     matrix_types: frozenset[str] = frozenset()
+    # The pooling the model declares for embeddings ("mean", "cls", "last"), or None
+    # (laya_core/embeddings.py).
+    pooling: str | None = None
 
     @property
     def kv_elements_per_token(self) -> int:
@@ -206,7 +210,8 @@ def _shape_from_gguf(meta: dict[str, Any], arch: str, tensors: list[_Tensor]) ->
         n_ctx_train=meta[f"{arch}.context_length"],
         weights_bytes=sum(t.nbytes for t in tensors),
         weights_source=f"GGUF tensor table ({len(tensors)} tensors)",
-        matrix_types=frozenset(matrix_types))
+        matrix_types=frozenset(matrix_types),
+        pooling=pooling_of_gguf(meta.get(f"{arch}.pooling_type")))
 
 
 def _safetensors_bytes(folder: Path) -> tuple[int, int]:
@@ -260,7 +265,7 @@ def read_hf_folder(folder: Path) -> ModelShape:
         n_layers=n_layers, n_heads=heads, n_kv_heads=n_kv, head_dim_k=head_dim,
         head_dim_v=head_dim, hidden_size=hidden, vocab_size=int(cfg.get("vocab_size", 0)),
         n_ctx_train=int(cfg.get("max_position_embeddings", 4096)), weights_bytes=weights,
-        weights_source=source)
+        weights_source=source, pooling=pooling_of_folder(folder))
 
 
 def model_file_problem(path: str | Path) -> str | None:

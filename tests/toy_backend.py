@@ -63,6 +63,7 @@ class ToyBackend(Backend):
         self.started: dict[int, int | None] = {}  # sequence id -> the next position it feeds
         self.prompt_len: dict[int, int] = {}
         self.steps: list[list[StepItem]] = []
+        self.embedded: list[list[int]] = []  # each input embedded, in order
         return ModelInfo(n_ctx_train=512, vocab_size=257, eog_token_ids=frozenset({END}),
                          chat_template=None, bos_token="", eos_token="", add_bos=False)
 
@@ -119,6 +120,22 @@ class ToyBackend(Backend):
     def free_sequence(self, seq_id: int) -> None:
         del self.started[seq_id]
         self.prompt_len.pop(seq_id, None)
+
+    supports_embeddings = True
+    EMBEDDING_SIZE = 8
+
+    def embed(self, token_ids: Sequence[int]) -> list[float]:
+        """The toy's embedding: how many of the input's tokens fall in each residue class
+        mod 8 (so two texts with the same letters in another order embed alike), plus the
+        last token's class counted once more (the default pooling's last-token weight)."""
+        assert all(0 <= t < END for t in token_ids), "an id outside the vocabulary"
+        vector = [0.0] * self.EMBEDDING_SIZE
+        for t in token_ids:
+            vector[t % self.EMBEDDING_SIZE] += 1.0
+        vector[token_ids[-1] % self.EMBEDDING_SIZE] += 1.0
+        self.embedded.append(list(token_ids))
+        time.sleep(self.config.options.get("step_delay_s", 0.0))
+        return vector
 
 
 class ToyPlugin:

@@ -22,6 +22,7 @@ from laya_core.http.auth import ApiKeyMiddleware
 from laya_core.http.body import json_body
 from laya_core.http.completions import CompletionHandlers
 from laya_core.http.cors import Cors, cors_options
+from laya_core.http.embeddings import EmbeddingHandler
 from laya_core.http.errors import APIError, http_exception_response, invalid
 from laya_core.http.metrics import metrics_registry
 from laya_core.http.observe import Observer
@@ -126,6 +127,7 @@ def create_app(deployment: Deployment) -> Starlette:
         Route("/v1/models/{model:path}", get_model),
         Route("/v1/chat/completions", handlers.chat, methods=["POST"]),
         Route("/v1/completions", handlers.completions, methods=["POST"]),
+        Route("/v1/embeddings", EmbeddingHandler(deployment).handle, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
     ]

@@ -1,0 +1,142 @@
+"""POST /v1/embeddings: OpenAI's embeddings endpoint.
+
+The body is validated (``embedding_requests.py``), the inputs are tokenized and checked
+against the model (vocabulary, ``max_seq_len``) on a worker thread, the router picks a
+replica as for a completion (the request counts in its load until answered), and the
+replica's engine embeds the inputs between its steps (laya_core/embeddings.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from laya_core.client import (
+    EngineClient,
+    EngineUnavailableError,
+    QueueFullError,
+    RequestTooLongError,
+)
+from laya_core.deployment import Deployment
+from laya_core.embeddings import Embeddings, EmbeddingsUnsupportedError
+from laya_core.http import access_log
+from laya_core.http import generation as gen
+from laya_core.http.body import json_body
+from laya_core.http.embedding_requests import EmbeddingRequest, parse_embedding
+from laya_core.http.errors import APIError, invalid
+from laya_core.router import NoRouteError
+
+T = TypeVar("T")
+
+
+def _unsupported(req: EmbeddingRequest, client: EngineClient) -> APIError:
+    backend = client.info().backend_name
+    return invalid("model", f"the model {req.model!r} runs on the {backend} backend, which "
+                   "cannot compute embeddings; use a model served by the llamacpp or torch "
+                   "backend", "embeddings_unsupported")
+
+
+def _token_ids(req: EmbeddingRequest, client: EngineClient) -> list[list[int]]:
+    """Each input's token ids, checked against the model; blocking (tokenizing)."""
+    tokenizer = client.tokenizer()
+    limit = client.info().max_seq_len
+    out: list[list[int]] = []
+    for i, item in enumerate(req.inputs):
+        param = req.param(i)
+        if isinstance(item, tuple):
+            bad = tokenizer.first_unknown(item)
+            if bad is not None:
+                raise invalid(param, f"token id {bad} in '{param}' is outside the vocabulary "
+                              f"(0..{tokenizer.vocab_size - 1})")
+            ids = list(item)
+        else:
+            # As /v1/completions tokenizes a prompt, so the same text is the same tokens.
+            ids = tokenizer.encode(item, add_special=True)
+            if not ids:
+                raise invalid(param, f"'{param}' holds no tokens once tokenized", "empty_input")
+        if len(ids) > limit:
+            raise invalid(param, f"'{param}' has {len(ids)} tokens, more than this model's "
+                          f"max_seq_len of {limit}; shorten it or split it",
+                          "context_length_exceeded")
+        out.append(ids)
+    return out
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """``work``'s result; cancelled (so the engine skips what is left) if the client leaves."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        task.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await task
+    finally:
+        watcher.cancel()
+
+
+def _vector(data: bytes, encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":  # OpenAI's: little-endian float32, base64
+        return base64.b64encode(data).decode("ascii")
+    return np.frombuffer(data, dtype="<f4").tolist()  # type: ignore[no-any-return]
+
+
+async def _embed(deployment: Deployment, req: EmbeddingRequest, ids: list[list[int]],
+                 request: Request) -> tuple[Embeddings, float]:
+    t0 = time.perf_counter()
+    try:
+        replica = deployment.router.route(req.model, req.user, ())
+    except NoRouteError as e:
+        raise APIError(503, str(e), code="no_replica",
+                       retry_after=gen.QUEUE_RETRY_AFTER_S) from None
+    route_s = time.perf_counter() - t0
+    client = deployment.clients[replica]
+    try:
+        return await _until_disconnect(request, client.embed(ids)), route_s
+    except EmbeddingsUnsupportedError:
+        raise _unsupported(req, client) from None
+    except RequestTooLongError as e:
+        raise invalid("input", str(e), "context_length_exceeded") from None
+    except QueueFullError as e:
+        raise APIError(429, str(e), code="queue_full",
+                       retry_after=gen.QUEUE_RETRY_AFTER_S) from None
+    except EngineUnavailableError as e:
+        raise APIError(503, f"{e}; retry later", code="not_ready",
+                       retry_after=gen.QUEUE_RETRY_AFTER_S) from None
+    except RuntimeError as e:  # the backend failed on this input
+        raise APIError(500, str(e), code="engine_error") from None
+    finally:
+        deployment.router.release(replica)
+
+
+class EmbeddingHandler:
+    """The endpoint's handler, bound to a deployment."""
+
+    def __init__(self, deployment: Deployment) -> None:
+        self.deployment = deployment
+
+    async def handle(self, request: Request) -> Response:
+        deployment = self.deployment
+        req = parse_embedding(await json_body(request, deployment.manifest.server))
+        client = gen.client_for(deployment, req.model)
+        if not client.supports_embeddings():
+            raise _unsupported(req, client)
+        ids = await asyncio.to_thread(_token_ids, req, client)
+        result, route_s = await _embed(deployment, req, ids, request)
+        usage = {"prompt_tokens": result.num_tokens, "total_tokens": result.num_tokens}
+        access_log.note(req.model, {**usage, "completion_tokens": 0}, route_s, None)
+        data: list[dict[str, Any]] = [
+            {"object": "embedding", "index": i, "embedding": _vector(v, req.encoding_format)}
+            for i, v in enumerate(result.vectors)]
+        return JSONResponse({"object": "list", "data": data, "model": req.model,
+                             "usage": usage})
