@@ -6,6 +6,8 @@ sandbox, which refuses attribute access to internals and mutation of passed-in o
 
 from __future__ import annotations
 
+import datetime
+import json
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -32,10 +34,27 @@ def _raise_exception(message: str) -> None:
     raise TemplateRefusal(message)
 
 
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """Plain JSON, as the templates written for Hugging Face's renderer expect: Jinja's own
+    ``tojson`` escapes ``<``, ``>``, ``&`` and ``'`` for HTML, which puts ``\u003c`` into
+    prompts that quote tool schemas."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
 class ChatTemplate:
     def __init__(self, source: str | None, bos_token: str = "", eos_token: str = "") -> None:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # loopcontrols: {% break %} and {% continue %}, which tool-aware templates use.
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        env.filters["tojson"] = _tojson
         try:
             self._template = env.from_string(source or CHATML)
         except jinja2.TemplateSyntaxError as e:
@@ -44,17 +63,19 @@ class ChatTemplate:
         self._eos = eos_token
 
     def render(self, messages: Sequence[Mapping[str, Any]],
-               add_generation_prompt: bool = True) -> str:
+               add_generation_prompt: bool = True, tools: Sequence[Any] | None = None) -> str:
         """The whole prompt, in this process: only for templates that are trusted (tests,
         the default). The server renders model files' templates in ``TemplateSandbox``."""
-        return "".join(self.generate(messages, add_generation_prompt))
+        return "".join(self.generate(messages, add_generation_prompt, tools))
 
     def generate(self, messages: Sequence[Mapping[str, Any]],
-                 add_generation_prompt: bool = True) -> Iterator[str]:
-        """The prompt piece by piece, so a caller can stop a template that writes too much."""
+                 add_generation_prompt: bool = True,
+                 tools: Sequence[Any] | None = None) -> Iterator[str]:
+        """The prompt piece by piece, so a caller can stop a template that writes too much.
+        ``tools``: OpenAI's tool list, for templates that render tools (else None)."""
         pieces = self._template.generate(
             messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
-            bos_token=self._bos, eos_token=self._eos)
+            bos_token=self._bos, eos_token=self._eos, tools=list(tools) if tools else None)
         try:
             yield from pieces
         except TemplateError:

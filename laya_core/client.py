@@ -16,6 +16,7 @@ stopped) or ``ValueError`` (a request this replica cannot serve); a transport ra
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -31,10 +32,13 @@ from laya_core.engine import (
     RequestTooLongError,
 )
 from laya_core.stream import GenerationStream
+from laya_core.structured.compiler import GrammarCompiler
+from laya_core.structured.spec import ConstraintSpec, GrammarError
 from laya_core.tokenizer import Tokenizer
 from laya_core.types import FinishReason, SamplingParams
 
-__all__ = ["EngineClient", "EngineState", "EngineUnavailableError", "LocalEngineClient",
+__all__ = ["EngineClient", "EngineState", "EngineUnavailableError", "GrammarError",
+           "LocalEngineClient",
            "QueueFullError", "ReplicaInfo", "ReplicaState", "RequestTooLongError"]
 
 
@@ -103,10 +107,12 @@ class EngineClient(abc.ABC):
         :class:`EngineUnavailableError` until the load succeeded."""
 
     @abc.abstractmethod
-    async def submit(self, prompt_token_ids: Sequence[int],
-                     params: SamplingParams) -> GenerationStream:
+    async def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                     constraint: ConstraintSpec | None = None) -> GenerationStream:
         """Queue a request; its events arrive on the returned stream, read from this loop.
-        Raises at once what is known at once (see the module's docstring)."""
+        Raises at once what is known at once (see the module's docstring), and
+        :class:`GrammarError` for a ``constraint`` that does not compile. The transport
+        compiles ``constraint`` on its side of the boundary, never on the engine thread."""
 
     @abc.abstractmethod
     def cancel(self, request_id: int) -> None:
@@ -137,6 +143,7 @@ class LocalEngineClient(EngineClient):
         super().__init__(engine.config.name, engine.replica_id)
         self._engine = engine
         self._info: ReplicaInfo | None = None
+        self._grammars: GrammarCompiler | None = None
 
     def state(self) -> ReplicaState:
         # The engine thread is the only writer of these counters; each read is one int.
@@ -169,11 +176,20 @@ class LocalEngineClient(EngineClient):
         assert self._engine.tokenizer is not None
         return self._engine.tokenizer
 
-    async def submit(self, prompt_token_ids: Sequence[int],
-                     params: SamplingParams) -> GenerationStream:
+    def grammars(self) -> GrammarCompiler:
+        """This replica's constraint compiler (and its cache); raises until loaded."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer(), self.info().model_info)
+        return self._grammars
+
+    async def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                     constraint: ConstraintSpec | None = None) -> GenerationStream:
         # The engine copies the ids into its own Sequence; nothing here is shared.
         ids = prompt_token_ids if isinstance(prompt_token_ids, list) else list(prompt_token_ids)
-        return self._engine.submit(ids, params)
+        matcher = None
+        if constraint is not None:  # compiled off the engine thread and off this loop
+            matcher = await asyncio.to_thread(self.grammars().constraint, constraint)
+        return self._engine.submit(ids, params, constraint=matcher)
 
     def cancel(self, request_id: int) -> None:
         self._engine.cancel(request_id)

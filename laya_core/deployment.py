@@ -18,6 +18,7 @@ from laya_core.manifest import Manifest
 from laya_core.memory_plan import Plan
 from laya_core.plugins import Registry
 from laya_core.router import Router
+from laya_core.structured.tools import ToolUse, prompt_messages
 from laya_core.template_sandbox import TemplateSandbox
 from laya_core.units import fmt_bytes
 
@@ -127,21 +128,26 @@ class Deployment:
         return all(e.state is EngineState.FAILED for e in self.engines)
 
     def render_chat(self, info: ModelInfo, messages: Sequence[Mapping[str, Any]],
-                    add_generation_prompt: bool = True) -> str:
+                    add_generation_prompt: bool = True,
+                    tools: Sequence[Any] | None = None) -> str:
         """The model's chat template applied to ``messages``, in the sandbox. Blocks for
         up to the sandbox's time limit: call it from a worker thread."""
         return self.templates.render(info.chat_template, info.bos_token, info.eos_token,
-                                     messages, add_generation_prompt)
+                                     messages, add_generation_prompt, tools)
 
     def chat_prompt(self, client: EngineClient, messages: Sequence[Mapping[str, Any]],
-                    add_generation_prompt: bool = True, add_special: bool = True) -> list[int]:
+                    add_generation_prompt: bool = True, add_special: bool = True,
+                    tools: ToolUse | None = None) -> list[int]:
         """Token ids of a chat: the template's markup as special tokens, the messages'
-        content as text. Blocking (rendering and tokenizing): call it from a worker thread."""
+        content as text; tools and tool calls as the template renders them, else in the
+        generic format (laya_core/structured/tools.py). Blocking (rendering and
+        tokenizing): call it from a worker thread."""
         info = client.info().model_info
         tokenizer = client.tokenizer()
-        return chat_prompt_ids(messages,
-                               lambda m: self.render_chat(info, m, add_generation_prompt),
-                               tokenizer.encode, tokenizer.special_tokens, add_special)
+        messages, tool_list = prompt_messages(messages, tools, info.chat_template)
+        return chat_prompt_ids(
+            messages, lambda m: self.render_chat(info, m, add_generation_prompt, tool_list),
+            tokenizer.encode, tokenizer.special_tokens, add_special)
 
     def _loaded(self, engine: Engine) -> None:
         """On the engine's thread, once its model has loaded: test the chat template, then

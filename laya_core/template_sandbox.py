@@ -54,10 +54,11 @@ class TemplateSandbox:
         self.num_restarts = 0
 
     def render(self, source: str | None, bos_token: str, eos_token: str,
-               messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+               messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+               tools: Sequence[Any] | None = None) -> str:
         job = {"source": source, "bos": bos_token, "eos": eos_token,
                "messages": [dict(m) for m in messages], "add_generation_prompt":
-               add_generation_prompt}
+               add_generation_prompt, "tools": list(tools) if tools else None}
         line = (json.dumps(job) + "\n").encode()  # ASCII: every odd character escaped
         with self._lock:
             proc = self._child()
@@ -119,7 +120,8 @@ class TemplateSandbox:
 
 def _render(template: ChatTemplate, job: dict[str, Any], max_chars: int) -> str:
     parts, size = [], 0
-    for piece in template.generate(job["messages"], job["add_generation_prompt"]):
+    for piece in template.generate(job["messages"], job["add_generation_prompt"],
+                                   job.get("tools")):
         size += len(piece)
         if size > max_chars:
             raise TemplateError(f"the chat template's output passed {max_chars} characters")

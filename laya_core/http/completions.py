@@ -27,6 +27,7 @@ from laya_core.http.requests import (
     with_header_priority,
 )
 from laya_core.http.sse import SSEResponse
+from laya_core.structured.tools import ToolCallParser
 from laya_core.types import FinishReason, Timing
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -78,23 +79,40 @@ class CompletionHandlers:
                                                     "chat.completion.chunk")
         if req.common.stream:
             started: set[int] = set()
+            parsers = [ToolCallParser() for _ in runs] if req.tools else []
 
             def chunk(i: int, event: Any) -> dict[str, Any]:
-                delta = {"content": event.text}
+                if parsers:
+                    finish = _finish_reason(req, event.finish_reason, parsers[i])
+                    delta = tool_delta(parsers[i], event.text, event.finish_reason is not None)
+                else:
+                    finish = event.finish_reason.value if event.finish_reason else None
+                    delta = {"content": event.text}
                 if i not in started:
                     started.add(i)
                     delta = {"role": "assistant", **delta}
                 lp = fmt.chat_logprobs(event.samples, token_bytes) if event.samples else None
-                finish = event.finish_reason.value if event.finish_reason else None
                 return {**base, "choices": [{"index": i, "delta": delta, "logprobs": lp,
                                              "finish_reason": finish}]}
 
             return self._stream(runs, req, chunk, base)
         results = await self._collect(request, runs, req)
-        choices = [{"index": i, "message": {"role": "assistant", "content": r.text},
-                    "logprobs": fmt.chat_logprobs(r.samples, token_bytes)
-                    if req.common.logprobs is not None else None,
-                    "finish_reason": r.finish.value} for i, r in enumerate(results)]
+        choices = []
+        for i, r in enumerate(results):
+            message: dict[str, Any] = {"role": "assistant", "content": r.text}
+            finish = r.finish.value
+            if req.tools:
+                parser = ToolCallParser()
+                content = "".join(text for kind, text in parser.feed(r.text) + parser.finish()
+                                  if kind == "content")
+                message["content"] = content if content or not parser.calls else None
+                if parser.calls:
+                    message["tool_calls"] = parser.calls
+                finish = _finish_reason(req, r.finish, parser) or finish
+            choices.append({"index": i, "message": message,
+                            "logprobs": fmt.chat_logprobs(r.samples, token_bytes)
+                            if req.common.logprobs is not None else None,
+                            "finish_reason": finish})
         body = {**base, "object": "chat.completion", "choices": choices}
         if req.common.prompt_logprobs is not None:  # vLLM's: once, beside the choices
             body["prompt_logprobs"] = fmt.prompt_logprobs(results[0].prompt_logprobs,
@@ -194,3 +212,33 @@ def _completion_choice(req: CompletionRequest, index: int, run: gen.Running, r: 
     if wanted is not None:
         choice["prompt_logprobs"] = fmt.prompt_logprobs(prompt, token_bytes, wanted)
     return choice
+
+
+def _finish_reason(req: ChatRequest, finish: FinishReason | None,
+                   parser: ToolCallParser) -> str | None:
+    """OpenAI's finish reason with tools: "tool_calls" when the output ended on calls, but
+    "stop" for a named tool_choice (as OpenAI answers); "length" whatever was cut short."""
+    if finish is None:
+        return None
+    if finish is FinishReason.STOP and parser.calls:
+        return "stop" if req.tools is not None and req.tools.named else "tool_calls"
+    return finish.value
+
+
+def tool_delta(parser: ToolCallParser, text: str, last: bool) -> dict[str, Any]:
+    """One stream chunk's delta with tools: the content and tool-call pieces ``text``
+    completes (a call's arguments fragments merged), and at the end what was held back."""
+    pieces = parser.feed(text) + (parser.finish() if last else [])
+    content = "".join(v for kind, v in pieces if kind == "content")
+    calls: list[dict[str, Any]] = []
+    for kind, value in pieces:
+        if kind != "call":
+            continue
+        if calls and "id" not in value and calls[-1]["index"] == value["index"]:
+            calls[-1]["function"]["arguments"] += value["function"]["arguments"]
+        else:
+            calls.append({**value, "function": dict(value["function"])})
+    delta: dict[str, Any] = {"content": content} if content or not calls else {}
+    if calls:
+        delta["tool_calls"] = calls
+    return delta

@@ -13,6 +13,7 @@ import attrs
 from laya_core.client import (
     EngineClient,
     EngineUnavailableError,
+    GrammarError,
     QueueFullError,
     RequestTooLongError,
 )
@@ -107,7 +108,7 @@ def _prompts(deployment: Deployment, request: ChatRequest | CompletionRequest,
     """Token ids of each prompt, with its text (for echo). Blocking: rendering a chat
     template and tokenizing megabytes take time, so ``start`` runs this on a worker thread."""
     if isinstance(request, ChatRequest):
-        return [(deployment.chat_prompt(client, request.messages), None)]
+        return [(deployment.chat_prompt(client, request.messages, tools=request.tools), None)]
     out: list[tuple[list[int], str | None]] = []
     tokenizer = client.tokenizer()
     for i, prompt in enumerate(request.prompts):
@@ -136,7 +137,10 @@ async def _submit(deployment: Deployment, req: GenerationRequest, prompt: list[i
     route_s = time.perf_counter() - t0
     client = deployment.clients[replica]
     try:
-        stream = await client.submit(prompt, params)
+        stream = await client.submit(prompt, params, req.constraint)
+    except GrammarError as e:
+        deployment.router.release(replica)
+        raise invalid(e.param, str(e), "invalid_constraint") from None
     except RequestTooLongError as e:
         deployment.rejections[req.model, "too_long"] += 1
         deployment.router.release(replica)

@@ -6,21 +6,24 @@ A field that would change the output but is not implemented is refused, never ig
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
 from laya_core.http.errors import invalid
+from laya_core.structured import formats
+from laya_core.structured.spec import ConstraintSpec, GrammarError
+from laya_core.structured.tools import Tool, ToolUse, call_grammar
 
 # Fields that would change the output and are not implemented yet, with the value that means
 # "off" (a request that sends exactly that value is fine).
 _UNSUPPORTED_UNLESS = {
-    "best_of": 1, "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}), "suffix": (None, ""),
-    "functions": (None, []), "function_call": (None, "none"), "guided_json": None,
-    "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "best_of": 1, "logit_bias": (None, {}), "suffix": (None, ""),
+    "functions": (None, []), "function_call": (None, "none"),  # OpenAI's deprecated tools
     "use_beam_search": (None, False),
 }
 MAX_N = 16
@@ -57,12 +60,17 @@ class GenerationRequest:
     priority: int | None = None
     # The field the client limited the output with, for errors about it.
     max_tokens_param: str = "max_tokens"
+    # What the output must match (response_format, structured_outputs, guided_*, tools).
+    constraint: ConstraintSpec | None = None
 
 
 @attrs.frozen
 class ChatRequest:
     common: GenerationRequest
-    messages: tuple[dict[str, str], ...]
+    # role and content (text; None only beside tool_calls), and for tool use: an assistant's
+    # tool_calls (arguments parsed, and as sent in raw_arguments), a tool's tool_call_id.
+    messages: tuple[dict[str, Any], ...]
+    tools: ToolUse | None = None  # None: no tools, or tool_choice "none"
 
 
 @attrs.frozen
@@ -178,8 +186,12 @@ def _common(b: _Body, logprobs: int | None, min_max_tokens: int = 1) -> Generati
     if prompt_logprobs is not None and stream:
         raise invalid("prompt_logprobs", "'prompt_logprobs' is not available with 'stream'; "
                       "ask for one of them")
+    try:
+        constraint = formats.from_body(b.body)
+    except GrammarError as e:
+        raise invalid(e.param, str(e)) from None
     return GenerationRequest(
-        n=n, logprobs=logprobs, prompt_logprobs=prompt_logprobs, stop_token_ids=tuple(stop_ids),
+        constraint=constraint, n=n, logprobs=logprobs, prompt_logprobs=prompt_logprobs, stop_token_ids=tuple(stop_ids),
         max_tokens_param="max_tokens" if newer is None else "max_completion_tokens",
         ignore_eos=b.get("ignore_eos", bool, False),
         priority=b.integer("priority", -INT32_MAX - 1, INT32_MAX),
@@ -194,7 +206,9 @@ def _common(b: _Body, logprobs: int | None, min_max_tokens: int = 1) -> Generati
     )
 
 
-_ROLES = ("system", "user", "assistant", "developer")
+_ROLES = ("system", "user", "assistant", "developer", "tool")
+MAX_TOOLS = 128
+_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
 
 def _content_text(content: Any, param: str) -> str:
@@ -213,6 +227,121 @@ def _content_text(content: Any, param: str) -> str:
                   "invalid_type")
 
 
+def _history_calls(raw: Any, param: str) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls``: arguments a JSON string (OpenAI's) or an object,
+    kept both parsed (for templates) and as text (for the generic rendering)."""
+    if not isinstance(raw, list) or not raw:
+        raise invalid(param, "'tool_calls' must be a non-empty array of calls", "invalid_type")
+    calls = []
+    for j, call in enumerate(raw):
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise invalid(f"{param}[{j}].function", "each call needs a 'function' with a "
+                          "'name' and 'arguments'")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                parsed = json.loads(args or "{}")
+            except ValueError:
+                raise invalid(f"{param}[{j}].function.arguments", "'arguments' must be a "
+                              "JSON object, as a string") from None
+        else:
+            parsed = args
+        if not isinstance(parsed, dict):
+            raise invalid(f"{param}[{j}].function.arguments", "'arguments' must be a JSON "
+                          "object, as a string")
+        call_id = call.get("id")
+        calls.append({"id": call_id if isinstance(call_id, str) else f"call_{j}",
+                      "type": "function",
+                      "function": {"name": fn["name"], "arguments": parsed,
+                                   "raw_arguments": json.dumps(parsed, ensure_ascii=False)}})
+    return calls
+
+
+def _message(m: Any, i: int) -> dict[str, Any]:
+    if not isinstance(m, Mapping):
+        raise invalid(f"messages[{i}]", "each message must be an object", "invalid_type")
+    role = m.get("role")
+    if role not in _ROLES:
+        raise invalid(f"messages[{i}].role",
+                      f"role must be one of {', '.join(_ROLES)}, got {role!r}")
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role}
+    if role == "assistant" and m.get("tool_calls"):
+        out["tool_calls"] = _history_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+        content = m.get("content")
+        out["content"] = None if content is None else _content_text(
+            content, f"messages[{i}].content")
+        return out
+    if m.get("content") is None:
+        raise invalid(f"messages[{i}].content", "message content is required", "missing")
+    out["content"] = _content_text(m["content"], f"messages[{i}].content")
+    if role == "tool":
+        call_id = m.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise invalid(f"messages[{i}].tool_call_id", "a tool message needs the "
+                          "'tool_call_id' of the call it answers", "missing")
+        out["tool_call_id"] = call_id
+        if isinstance(m.get("name"), str):
+            out["name"] = m["name"]
+    return out
+
+
+def _tool(raw: Any, param: str) -> Tool:
+    if not isinstance(raw, Mapping) or raw.get("type", "function") != "function" \
+            or not isinstance(raw.get("function"), Mapping):
+        raise invalid(param, 'each tool must be {"type": "function", "function": {...}}')
+    fn = raw["function"]
+    name = fn.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise invalid(f"{param}.function.name", "a function's name must be 1 to 64 letters, "
+                      f"digits, '_', '.', ':' or '-', got {name!r}")
+    description = fn.get("description")
+    if description is not None and not isinstance(description, str):
+        raise invalid(f"{param}.function.description", "'description' must be a string")
+    parameters = fn.get("parameters") or {"type": "object", "properties": {}}
+    if not isinstance(parameters, Mapping) or parameters.get("type", "object") != "object":
+        raise invalid(f"{param}.function.parameters", "'parameters' must be a JSON schema "
+                      'of an object ({"type": "object", ...})')
+    strict = fn.get("strict", False)
+    if not isinstance(strict, (bool, type(None))):
+        raise invalid(f"{param}.function.strict", "'strict' must be a boolean")
+    return Tool(name, description, dict(parameters), bool(strict))
+
+
+def _tool_use(b: _Body, common: GenerationRequest) -> ToolUse | None:
+    raw = b.get("tools", list, [])
+    if len(raw) > MAX_TOOLS:
+        raise invalid("tools", f"at most {MAX_TOOLS} tools, got {len(raw)}")
+    tools = tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(raw))
+    if len({t.name for t in tools}) < len(tools):
+        raise invalid("tools", "two tools have the same name")
+    choice = b.body.get("tool_choice")
+    if isinstance(choice, Mapping):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, Mapping) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise invalid("tool_choice", 'a named tool_choice is {"type": "function", '
+                          '"function": {"name": ...}}')
+        if name not in {t.name for t in tools}:
+            raise invalid("tool_choice.function.name", f"tool_choice names {name!r}, which "
+                          "is not one of 'tools'")
+        choice = name
+    elif choice is None:
+        choice = "auto" if tools else "none"
+    elif choice not in ("none", "auto", "required"):
+        raise invalid("tool_choice", "tool_choice must be none, auto, required or "
+                      '{"type": "function", "function": {"name": ...}}')
+    if choice != "none" and not tools:
+        raise invalid("tool_choice", f"tool_choice {choice!r} needs 'tools'")
+    parallel = b.get("parallel_tool_calls", bool, True)
+    if choice == "none":
+        return None
+    if common.constraint is not None:
+        raise invalid(common.constraint.param, f"'{common.constraint.param}' cannot be "
+                      "combined with tools; send tool_choice \"none\" to use it")
+    return ToolUse(tools, choice, parallel)
+
+
 def parse_chat(body: Any) -> ChatRequest:
     b = _Body(body)
     top = b.get("top_logprobs", int)
@@ -225,19 +354,14 @@ def parse_chat(body: Any) -> ChatRequest:
     raw = b.get("messages", list)
     if not raw:
         raise invalid("messages", "'messages' must be a non-empty array of messages", "missing")
-    messages = []
-    for i, m in enumerate(raw):
-        if not isinstance(m, Mapping):
-            raise invalid(f"messages[{i}]", "each message must be an object", "invalid_type")
-        role = m.get("role")
-        if role not in _ROLES:
-            raise invalid(f"messages[{i}].role",
-                          f"role must be one of {', '.join(_ROLES)}, got {role!r}")
-        if m.get("content") is None:
-            raise invalid(f"messages[{i}].content", "message content is required", "missing")
-        text = _content_text(m["content"], f"messages[{i}].content")
-        messages.append({"role": "system" if role == "developer" else role, "content": text})
-    return ChatRequest(common, tuple(messages))
+    messages = tuple(_message(m, i) for i, m in enumerate(raw))
+    use = _tool_use(b, common)
+    if use is not None:
+        try:
+            common = attrs.evolve(common, constraint=call_grammar(use))
+        except GrammarError as e:
+            raise invalid(e.param, str(e)) from None
+    return ChatRequest(common, messages, use)
 
 
 def _prompt(value: Any, param: str) -> str | tuple[int, ...]:
@@ -252,6 +376,9 @@ def _prompt(value: Any, param: str) -> str | tuple[int, ...]:
 
 def parse_completion(body: Any) -> CompletionRequest:
     b = _Body(body)
+    for name in ("tools", "tool_choice"):
+        if b.body.get(name) not in (None, [], "none"):
+            raise invalid(name, f"'{name}' belongs to /v1/chat/completions", "unsupported_parameter")
     top = b.get("logprobs", int)
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise invalid("logprobs", f"'logprobs' must be between 0 and {MAX_TOP_LOGPROBS}")

@@ -109,8 +109,8 @@ def test_fields_that_would_change_output_are_refused_by_name(client: openai.Open
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(
             model="smollm2", messages=[{"role": "user", "content": "x"}],
-            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-    assert e.value.body["param"] == "tools"  # type: ignore[index]
+            functions=[{"name": "f", "parameters": {}}])  # OpenAI's deprecated tools
+    assert e.value.body["param"] == "functions"  # type: ignore[index]
 
 
 def test_metrics_expose_layers_and_cache(smollm_server: ServerProcess,

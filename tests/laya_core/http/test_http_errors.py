@@ -100,8 +100,29 @@ CHAT = {"model": "toy", "messages": [{"role": "user", "content": "hi"}], "max_to
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content[0]"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400,
-     "response_format"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "yaml"}}, 400,
+     "response_format.type"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, 400,
+     "response_format.json_schema"),
+    ("/v1/chat/completions", {**CHAT, "guided_json": {"type": "object"},
+                              "guided_regex": "a+"}, 400, "guided_regex"),
+    ("/v1/chat/completions", {**CHAT, "structured_outputs": {"regex": "a", "choice": ["b"]}},
+     400, "structured_outputs.choice"),
+    ("/v1/chat/completions", {**CHAT, "guided_choice": []}, 400, "guided_choice"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {
+        "name": "has space"}}]}, 400, "tools[0].function.name"),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, 400, "tool_choice"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {
+        "name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400,
+     "tool_choice.function.name"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "tool", "content": "4"}]}, 400,
+     "messages[0].tool_call_id"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "assistant", "content": None,
+        "tool_calls": [{"id": "c", "type": "function", "function": {
+            "name": "f", "arguments": "{nope"}}]}]}, 400,
+     "messages[0].tool_calls[0].function.arguments"),
+    ("/v1/completions", {**GOOD, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "tools"),
     ("/tokenize", {"model": "toy"}, 400, "prompt"),
     ("/detokenize", {"model": "toy", "tokens": ["a"]}, 400, "tokens"),
 ])

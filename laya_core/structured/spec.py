@@ -1,0 +1,27 @@
+"""What a request constrains its output to, as data that crosses process boundaries."""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class ConstraintSpec:
+    """One request's output constraint.
+
+    ``grammar`` is llguidance's grammar text (a Lark grammar, or the JSON of its
+    ``{"grammars": [...]}`` form), complete: equal texts constrain equally, so it is the
+    compile cache's key. ``param`` is the request field it came from, for errors.
+    """
+
+    kind: str  # json_schema, json_object, regex, choice, grammar, tools
+    grammar: str
+    param: str
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot be compiled or enforced; the HTTP side answers 400."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
