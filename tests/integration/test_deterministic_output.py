@@ -82,3 +82,30 @@ def test_a_long_prompt_answers_the_same_beside_other_requests(server: ServerProc
     alone = greedy(server, tokens, max_tokens=24)
     crowded = beside_three_others(server, tokens)
     assert crowded == alone
+
+
+def test_constrained_neighbours_leave_an_unconstrained_output_exact(
+        server: ServerProcess) -> None:
+    """Masks are per sequence: three JSON-constrained and tool-constrained requests in the
+    same batches change neither the text nor the log-probabilities of the greedy one."""
+    prompt = "Story number 7: once upon a time"
+    alone = greedy(server, prompt, max_tokens=24)
+
+    def constrained(i: int) -> None:
+        body: dict[str, object] = {
+            "model": "smollm2", "max_tokens": 40, "temperature": 1.0, "seed": i,
+            "messages": [{"role": "user", "content": f"Give me JSON number {i}"}]}
+        if i == 2:
+            body.update(tools=[{"type": "function", "function": {"name": "f"}}],
+                        tool_choice="required")
+        else:
+            body["response_format"] = {"type": "json_object"}
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json=body)
+        assert r.status_code == 200, r.text
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        others = [pool.submit(constrained, i) for i in range(3)]
+        beside = greedy(server, prompt, max_tokens=24)
+        for f in others:
+            f.result()
+    assert beside == alone

@@ -1,0 +1,173 @@
+"""Structured output in the core: request fields to one constraint, the compiler and its
+cache, and the tool-call parser at every split of a stream."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from toy_backend import END, ToyTokenizer
+
+from laya_core.backend import ModelInfo
+from laya_core.chat_template import ChatTemplate
+from laya_core.structured import formats
+from laya_core.structured.compiler import GrammarCompiler
+from laya_core.structured.spec import GrammarError
+from laya_core.structured.tools import Tool, ToolCallParser, ToolUse, call_grammar
+
+TOY_INFO = ModelInfo(n_ctx_train=512, vocab_size=257, eog_token_ids=frozenset({END}),
+                     chat_template=None, bos_token="", eos_token="", add_bos=False)
+WEATHER = Tool("get_weather", "The weather", {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+    "additionalProperties": False})
+NO_ARGS = Tool("now", None, {})
+
+
+@pytest.fixture(scope="module")
+def compiler() -> GrammarCompiler:
+    return GrammarCompiler(ToyTokenizer(), TOY_INFO)
+
+
+def allowed(compiler: GrammarCompiler, spec: Any, text: str) -> set[str]:
+    """The next characters ``spec`` allows after ``text`` (the toy's tokens are bytes);
+    "END" where the output may end."""
+    mask = compiler.constraint(spec)(list(text.encode()))
+    return {"END" if t == END else chr(t) for t in mask.token_ids()}
+
+
+def test_each_spelling_gives_one_constraint() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    found = [formats.from_body(body) for body in (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                      "schema": schema}}},
+        {"structured_outputs": {"json": schema}}, {"guided_json": json.dumps(schema)})]
+    assert [s.kind for s in found if s] == ["json_schema"] * 3
+    assert len({s.grammar for s in found if s}) == 1  # one cache entry for all three
+    assert formats.from_body({"response_format": {"type": "text"}}) is None
+    with pytest.raises(GrammarError) as e:
+        formats.from_body({"response_format": {"type": "json_object"}, "guided_regex": "a"})
+    assert e.value.param == "guided_regex"
+
+
+def test_a_schema_is_compiled_once_and_its_errors_name_the_keyword(
+        compiler: GrammarCompiler) -> None:
+    spec = formats.json_schema({"type": "object"}, "response_format")
+    before = compiler.compiled
+    assert allowed(compiler, spec, "") == {"{"}
+    assert allowed(compiler, spec, "{}") == {"END"}
+    assert compiler.compiled == before + 1  # the second request was a cache hit
+    for schema, keyword in (({"type": "array", "uniqueItems": True}, "uniqueItems"),
+                            ({"type": "string", "pattern": "(?=a)b"}, "look-around")):
+        bad = formats.json_schema(schema, "response_format.json_schema.schema")
+        for _ in range(2):  # the refusal is cached, and still raised
+            with pytest.raises(GrammarError) as e:
+                compiler.constraint(bad)
+            assert e.value.param == "response_format.json_schema.schema"
+            assert keyword in str(e.value)
+
+
+def test_whitespace_between_json_tokens_is_bounded(compiler: GrammarCompiler) -> None:
+    spec = formats.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}},
+                               "x")
+    assert " " in allowed(compiler, spec, "{" + " " * 1)
+    assert " " not in allowed(compiler, spec, "{" + " " * 2)
+    assert " " in allowed(compiler, spec, "{\n" + " " * 31)
+    assert " " not in allowed(compiler, spec, "{\n" + " " * 32)
+    assert "\n" not in allowed(compiler, spec, "{\n")
+    compact = formats.from_body({"structured_outputs": {"json": {"type": "object"},
+                                                        "disable_any_whitespace": True}})
+    assert allowed(compiler, compact, "{") == {'"', "}"}
+
+
+def test_closed_objects_and_choices(compiler: GrammarCompiler) -> None:
+    closed = formats.from_body({"structured_outputs": {
+        "json": {"type": "object", "properties": {"a": {"type": "integer"}}},
+        "disable_additional_properties": True, "disable_any_whitespace": True}})
+    assert allowed(compiler, closed, '{"a":1,') == set()  # nothing may follow a closed a
+    choice = formats.from_body({"guided_choice": ["yes", "no"]})
+    assert allowed(compiler, choice, "") == {"y", "n"}
+    assert allowed(compiler, choice, "yes") == {"END"}
+    gbnf = formats.from_body({"guided_grammar": 'root ::= "a" [0-9]+'})
+    assert allowed(compiler, gbnf, "a") == set("0123456789")
+
+
+def test_a_matcher_that_was_fed_what_it_forbids_allows_nothing(
+        compiler: GrammarCompiler) -> None:
+    constraint = compiler.constraint(formats.json_schema({"type": "object"}, "x"))
+    assert constraint(list(b"[")).is_empty()
+
+
+def test_tool_grammars(compiler: GrammarCompiler) -> None:
+    both = (WEATHER, NO_ARGS)
+    required = call_grammar(ToolUse(both, "required"))
+    assert allowed(compiler, required, "") == {"<"}
+    call = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+    assert allowed(compiler, required, call) == {"END", "\n"}  # parallel: another may follow
+    single = call_grammar(ToolUse(both, "required", parallel=False))
+    assert allowed(compiler, single, call) == {"END"}
+    named = call_grammar(ToolUse(both, "get_weather"))
+    assert allowed(compiler, named, '<tool_call>\n{"name": "') == {"g"}
+    auto = call_grammar(ToolUse(both, "auto"))
+    assert "E" in allowed(compiler, auto, "Plain text, no call")  # free text
+    assert allowed(compiler, auto, "Let me look. <tool_call>\n") == {"{"}  # a call, checked
+    with pytest.raises(GrammarError) as e:
+        compiler.constraint(call_grammar(ToolUse((Tool("f", None, {
+            "type": "object", "properties": {"x": {"type": "array", "uniqueItems": True}}}),),
+            "required")))
+    assert "uniqueItems" in str(e.value)
+
+
+STREAM = ('I will look that up. <tool_call>\n{"name": "get_weather", "arguments": '
+          '{"city": "Par\\"is {x}", "days": [1, {"n": 2}]}}\n</tool_call>\n<tool_call>\n'
+          '{"name": "now", "arguments": {}}\n</tool_call>')
+
+
+def parsed(pieces: list[str]) -> tuple[str, list[dict[str, Any]], dict[int, dict[str, Any]]]:
+    """The content, the calls, and the calls rebuilt from their stream deltas."""
+    parser = ToolCallParser()
+    deltas = [d for p in pieces for d in parser.feed(p)] + parser.finish()
+    content = "".join(v for kind, v in deltas if kind == "content")
+    rebuilt: dict[int, dict[str, Any]] = {}
+    for kind, v in deltas:
+        if kind == "call" and "id" in v:
+            assert v["index"] not in rebuilt and v["function"]["name"]
+            rebuilt[v["index"]] = {"id": v["id"], "name": v["function"]["name"],
+                                   "arguments": v["function"]["arguments"]}
+        elif kind == "call":
+            rebuilt[v["index"]]["arguments"] += v["function"]["arguments"]
+    return content, parser.calls, rebuilt
+
+
+def test_streamed_arguments_survive_every_split() -> None:
+    whole_content, whole_calls, _ = parsed([STREAM])
+    assert whole_content == "I will look that up. "
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in whole_calls] == [
+        ("get_weather", {"city": 'Par"is {x}', "days": [1, {"n": 2}]}), ("now", {})]
+    for i in range(len(STREAM) + 1):
+        for j in range(i, len(STREAM) + 1, 7):
+            content, calls, rebuilt = parsed([STREAM[:i], STREAM[i:j], STREAM[j:]])
+            assert content == whole_content, (i, j)
+            assert [c["function"] for c in calls] == [c["function"] for c in whole_calls]
+            assert [(r["name"], r["arguments"]) for r in rebuilt.values()] == [
+                (c["function"]["name"], c["function"]["arguments"]) for c in calls], (i, j)
+    # One character at a time, as a stream of single-character tokens arrives.
+    assert parsed(list(STREAM))[1][0]["function"] == whole_calls[0]["function"]
+
+
+def test_text_that_only_looks_like_a_call_is_content() -> None:
+    content, calls, _ = parsed(["Compare a < b and <tool", "_c"])
+    assert content == "Compare a < b and <tool_c" and calls == []
+    content, calls, _ = parsed(["The end <tool_ca"])
+    assert content == "The end <tool_ca" and calls == []
+
+
+def test_tool_aware_templates_get_plain_json_and_break() -> None:
+    template = ChatTemplate(
+        "{% for t in tools %}{{ t | tojson }}{% endfor %}"
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
+        "{{ m['content'] }}{% endfor %}")
+    text = template.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+                           tools=[{"type": "function", "function": {"description": "x < y"}}])
+    assert text == '{"type": "function", "function": {"description": "x < y"}}a'
