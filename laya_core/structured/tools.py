@@ -50,9 +50,10 @@ class Tool:
 
     def as_openai(self) -> dict[str, Any]:
         """The tool as a chat template's ``tools`` list holds it (OpenAI's shape)."""
-        fn: dict[str, Any] = {"name": self.name, "parameters": dict(self.parameters)}
+        fn: dict[str, Any] = {"name": self.name}
         if self.description is not None:
             fn["description"] = self.description
+        fn["parameters"] = dict(self.parameters)
         return {"type": "function", "function": fn}
 
 

@@ -171,3 +171,40 @@ def test_tool_aware_templates_get_plain_json_and_break() -> None:
     text = template.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
                            tools=[{"type": "function", "function": {"description": "x < y"}}])
     assert text == '{"type": "function", "function": {"description": "x < y"}}a'
+
+
+TOOL_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t['function'] | tojson }}{% endfor %}"
+    "</tools>{% endif %}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}<call>{{ c['function']['arguments'] | tojson }}"
+    "</call>{% endfor %}{% endfor %}")
+HISTORY = [{"role": "user", "content": "Weather?"},
+           {"role": "assistant", "content": None, "tool_calls": [{
+               "id": "c1", "type": "function", "function": {
+                   "name": "get_weather", "arguments": {"city": "Paris"},
+                   "raw_arguments": '{"city": "Paris"}'}}]},
+           {"role": "tool", "tool_call_id": "c1", "content": "21 C"}]
+
+
+def test_a_tool_aware_template_renders_tools_and_calls_itself() -> None:
+    from laya_core.structured.tools import prompt_messages
+
+    messages, tools = prompt_messages(HISTORY, ToolUse((WEATHER,)), TOOL_TEMPLATE)
+    text = ChatTemplate(TOOL_TEMPLATE).render(messages, tools=tools)
+    assert text.startswith('<tools>{"name": "get_weather", "description": "The weather", '
+                           '"parameters": {"type": "object"')
+    assert '[assistant]<call>{"city": "Paris"}</call>[tool]21 C' in text
+
+
+def test_a_template_without_tools_gets_the_generic_format() -> None:
+    from laya_core.chat_template import CHATML
+    from laya_core.structured.tools import prompt_messages
+
+    messages, tools = prompt_messages(HISTORY, ToolUse((WEATHER,)), None)
+    assert tools is None
+    text = ChatTemplate(CHATML).render(messages)
+    assert text.startswith("<|im_start|>system\nYou can call functions")
+    assert '{"name": "get_weather", "description": "The weather"' in text
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Paris"}}\n</tool_call><|im_end|>') in text
+    assert "<|im_start|>user\n<tool_response>\n21 C\n</tool_response><|im_end|>" in text
