@@ -65,9 +65,12 @@ class _Vocabulary:
                 specials[ids[0]] = text.encode()
         self.special_token_ids = sorted(specials)
         # Control tokens have no text of their own (token_bytes gives b""): llguidance
-        # marks special ids itself and wants their names.
+        # marks special ids itself and wants their names. A model whose output rows are
+        # wider than its tokenizer's vocabulary (padded embeddings) has ids past it that
+        # no text maps to: they are never allowed.
         self.tokens = [specials.get(i) or tokenizer.token_bytes(i)
                        for i in range(tokenizer.vocab_size)]
+        self.tokens += [b""] * max(info.vocab_size - len(self.tokens), 0)
         eog = sorted(info.eog_token_ids)
         self.eos_token_id = eog[0] if eog else 0
         self.bos_token_id = None
@@ -93,7 +96,8 @@ class GrammarCompiler:
 
     @property
     def vocab_size(self) -> int:
-        return self._tokenizer.vocab_size
+        """The mask's width: the model's output rows (``ModelInfo.vocab_size``)."""
+        return max(self._info.vocab_size, self._tokenizer.vocab_size)
 
     def _vocabulary(self) -> llguidance.LLTokenizer:
         with self._lock:
@@ -102,7 +106,7 @@ class GrammarCompiler:
 
                 vocab = _Vocabulary(self._tokenizer, self._info)
                 self._lltokenizer = llguidance.LLTokenizer(
-                    llguidance.TokenizerWrapper(vocab), n_vocab=self._tokenizer.vocab_size,
+                    llguidance.TokenizerWrapper(vocab), n_vocab=self.vocab_size,
                     eos_token=sorted(self._info.eog_token_ids) or None)
             return self._lltokenizer
 

@@ -8,6 +8,7 @@ policy of one replica through ``Engine.submit``, as the HTTP layer does.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -165,6 +166,29 @@ def test_the_allowed_token_mask_is_honoured(laya_engine: Engine) -> None:
         out = asyncio.run(one(laya_engine, ids(laya_engine, TEXTS[1]), SamplingParams(
             max_tokens=12, temperature=temperature, seed=5, ignore_eos=True), constraint))
         assert out.tokens and set(out.tokens) <= set(allowed), (temperature, out.tokens)
+    idle(laya_engine)
+
+
+def test_a_json_schema_constraint_yields_json_that_validates(laya_engine: Engine) -> None:
+    """Structured output through the core's compiler on this backend's vocabulary: greedy
+    and sampled, the output parses and has the schema's shape, or was cut by max_tokens."""
+    from laya_core.structured import formats
+    from laya_core.structured.compiler import GrammarCompiler
+
+    assert laya_engine.tokenizer is not None and laya_engine.info is not None
+    compiler = GrammarCompiler(laya_engine.tokenizer, laya_engine.info)
+    spec = formats.json_schema({"type": "object", "properties": {
+        "answer": {"enum": ["yes", "no"]}, "count": {"type": "integer"}},
+        "required": ["answer", "count"], "additionalProperties": False}, "schema")
+    for temperature, seed in ((0.0, None), (1.0, 3)):
+        out = asyncio.run(one(laya_engine, ids(laya_engine, TEXTS[1]), SamplingParams(
+            max_tokens=40, temperature=temperature, seed=seed), compiler.constraint(spec)))
+        if out.finish is FinishReason.LENGTH:
+            assert out.text.startswith("{"), out.text
+            continue
+        assert out.finish is FinishReason.STOP, (out.finish, out.text)
+        value = json.loads(out.text)
+        assert value["answer"] in ("yes", "no") and isinstance(value["count"], int), value
     idle(laya_engine)
 
 

@@ -208,3 +208,14 @@ def test_a_template_without_tools_gets_the_generic_format() -> None:
     assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
             '{"city": "Paris"}}\n</tool_call><|im_end|>') in text
     assert "<|im_start|>user\n<tool_response>\n21 C\n</tool_response><|im_end|>" in text
+
+
+def test_a_mask_spans_the_model_rows_past_the_tokenizer() -> None:
+    """Padded embeddings: the model's rows (288) outnumber the tokenizer's ids (257); the
+    mask has the model's width and never allows an id no text maps to."""
+    import attrs
+
+    compiler = GrammarCompiler(ToyTokenizer(), attrs.evolve(TOY_INFO, vocab_size=288))
+    mask = compiler.constraint(formats.from_body({"guided_regex": ".+"}))([])  # type: ignore[arg-type]
+    assert mask.vocab_size == 288 and mask.allows(ord("a"))
+    assert not any(mask.allows(t) for t in range(257, 288))
