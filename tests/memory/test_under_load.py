@@ -24,8 +24,9 @@ host = "127.0.0.1"
 port = {port}
 
 [memory]
-# room for the same KV pool as before the 64 MiB template sandbox and 11 MiB of saved KV
-budget = "396MiB"
+# room for the same KV pool as before the 64 MiB template sandbox, 11 MiB of saved KV and
+# the 65 MiB embedding context
+budget = "461MiB"
 
 [[models]]
 name = "smollm2"

@@ -24,7 +24,14 @@ from laya_core.types import Sample, SamplingParams
 
 from laya_backend_llamacpp import cpu, memory, sampling
 from laya_backend_llamacpp.llama_log import LLAMA_LOG, weight_buffers
-from laya_backend_llamacpp.memory import SCORE_BLOCK_ROWS, kv_layout, saved_kv_tokens
+from laya_backend_llamacpp.memory import (
+    SCORE_BLOCK_ROWS,
+    embed_batch_tokens,
+    embed_cells,
+    kv_layout,
+    saved_kv_tokens,
+)
+from laya_core.embeddings import DEFAULT_POOLING
 from laya_core.threads import ThreadGovernor
 from laya_backend_llamacpp.tokenizer import LlamaTokenizer
 
@@ -62,6 +69,7 @@ class LlamaCppBackend(Backend):
     # A KV stream per slot, placed by the plugin's cache policy (streams.StreamsKVCache).
     kv_layout = "streams"
     supports_prompt_logprobs = True
+    supports_embeddings = True
     # Whether a running sequence can change slots (move_sequence): set at allocation, where
     # each slot has a stream of its own and consecutive slots run as one forward pass.
     supports_moving = False
@@ -106,6 +114,8 @@ class LlamaCppBackend(Backend):
     _governor: ThreadGovernor | None = None
     _fixed_threads: int | None = None
     _tokenizer: LlamaTokenizer | None = None
+    _embed_ctx: Any = None
+    _embed_batch: Any = None
 
     def load_weights(self) -> ModelInfo:
         ll = self._ll = _llama()
@@ -115,9 +125,11 @@ class LlamaCppBackend(Backend):
         features = cpu.build_features(ll.llama_print_system_info().decode("utf-8", "replace"))
         self._repack = cpu.choose_repack(self.config.options.get("repack", "auto"), host,
                                          features)
+        shape = read_shape(self.config.path)
+        self.pooling = shape.pooling or DEFAULT_POOLING
         use_mmap = cpu.choose_mmap(
             self.config.options.get("use_mmap", "auto"), self._repack.enabled,
-            read_shape(self.config.path).matrix_types, cpu.repacked_types(host, features))
+            shape.matrix_types, cpu.repacked_types(host, features))
         params = ll.llama_model_default_params()
         params.load_mode = _LOAD_MODE[use_mmap]
         params.use_extra_bufts = self._repack.enabled
@@ -131,6 +143,7 @@ class LlamaCppBackend(Backend):
             "repack": self._repack.enabled, "repack_reason": self._repack.reason,
             "use_mmap": use_mmap,
             "weight_buffer_bytes": weight_buffers(lines),
+            "embedding_pooling": self.pooling,
         }
         vocab = self._vocab = ll.llama_model_get_vocab(self._model)
         n_vocab = self._n_vocab = ll.llama_vocab_n_tokens(vocab)
@@ -163,6 +176,7 @@ class LlamaCppBackend(Backend):
 
     def allocate_kv(self, *, num_tokens: int, max_num_seqs: int) -> None:
         self.allocate_cache(n_ctx=num_tokens, max_num_seqs=max_num_seqs)
+        self.allocate_embedder()
 
     def allocate_cache(self, *, n_ctx: int, max_num_seqs: int) -> None:
         ll = self._ll
@@ -196,6 +210,70 @@ class LlamaCppBackend(Backend):
         self._params: dict[int, SamplingParams] = {}
         self.saved_kv_tokens = saved_kv_tokens(self.config, n_ctx)
         self._saved: dict[int, np.ndarray] = {}  # key -> a stream's state, as llama.cpp wrote it
+        self._threads = int(threads)
+
+    def allocate_embedder(self) -> None:
+        """The embedding context: llama.cpp's own, beside the slots' (memory.py,
+        ``embeddings``). A context of its own rather than a slot of the main one: a slot
+        is the cache policy's, and the main context computes no hidden states.
+        Pooling is ``none`` here and done in ``embed``, so an input longer than one batch
+        is fed in several decodes whatever the model's pooling."""
+        ll = self._ll
+        params = ll.llama_context_default_params()
+        params.n_ctx = embed_cells(self.config)
+        params.n_seq_max = 1
+        params.n_batch = params.n_ubatch = embed_batch_tokens(self.config)
+        params.n_threads = params.n_threads_batch = self._threads
+        params.type_k = params.type_v = _GGML_TYPE[self.config.kv_cache_dtype]
+        params.flash_attn_type = _FLASH_ATTN[self.config.options.get("flash_attn", "auto")]
+        params.embeddings = True
+        params.pooling_type = 0  # LLAMA_POOLING_TYPE_NONE: each row's hidden state
+        params.no_perf = True
+        self._embed_ctx = ll.llama_init_from_model(self._model, params)
+        if not self._embed_ctx:
+            raise RuntimeError("llama.cpp could not create the embedding context")
+        self._embed_batch = ll.llama_batch_init(params.n_batch, 0, 1)
+        self._n_embd = ll.llama_model_n_embd(self._model)
+
+    def embed(self, token_ids: Sequence[int]) -> np.ndarray:
+        """The final norm's hidden states of ``token_ids``, pooled (``self.pooling``), from
+        the embedding context; its KV is cleared afterwards."""
+        ll, ctx, batch = self._ll, self._embed_ctx, self._embed_batch
+        if self._governor is not None:  # as many threads as the slots' context has now
+            ll.llama_set_n_threads(ctx, self._governor.threads, self._governor.threads)
+        n, size = len(token_ids), embed_batch_tokens(self.config)
+        pooled = np.zeros(self._n_embd, np.float64)
+        try:
+            for start in range(0, n, size):
+                rows = self._fill_embed_batch(token_ids, start, size)
+                rc = ll.llama_decode(ctx, batch)
+                if rc != 0:
+                    raise RuntimeError(f"llama_decode returned {rc} embedding {n} tokens")
+                for j in rows:
+                    pooled += np.ctypeslib.as_array(ll.llama_get_embeddings_ith(ctx, j),
+                                                    shape=(self._n_embd,))
+        finally:
+            ll.llama_memory_clear(ll.llama_get_memory(ctx), True)
+        return pooled / n if self.pooling == "mean" else pooled
+
+    def _fill_embed_batch(self, token_ids: Sequence[int], start: int, size: int) -> list[int]:
+        """Put ``token_ids[start:start + size]`` in the embedding batch; the rows whose
+        hidden states the pooling reads (every row for mean, the first or the last token)."""
+        batch, n = self._embed_batch, len(token_ids)
+        chunk = token_ids[start:start + size]
+        wanted = {"mean": range(start, start + len(chunk)), "cls": (0,)}.get(
+            self.pooling, (n - 1,))
+        rows = []
+        for j, token in enumerate(chunk):
+            batch.token[j] = token
+            batch.pos[j] = start + j
+            batch.n_seq_id[j] = 1
+            batch.seq_id[j][0] = 0
+            batch.logits[j] = start + j in wanted
+            if batch.logits[j]:
+                rows.append(j)
+        batch.n_tokens = len(chunk)
+        return rows
 
     def describe(self) -> dict[str, Any]:
         # Python state only: this runs on other threads, even while the context is freed.
@@ -384,6 +462,12 @@ class LlamaCppBackend(Backend):
         if self._batch is not None:
             ll.llama_batch_free(self._batch)
             self._batch = None
+        if self._embed_batch is not None:
+            ll.llama_batch_free(self._embed_batch)
+            self._embed_batch = None
+        if self._embed_ctx:
+            ll.llama_free(self._embed_ctx)
+            self._embed_ctx = None
         if self._ctx:
             ll.llama_free(self._ctx)
             self._ctx = None

@@ -18,6 +18,13 @@ _KV_CELL_ALIGN = 256  # llama.cpp pads each KV stream to this many cells
 _VOCAB_BYTES_PER_TOKEN = 512
 # llama_state_seq_get_data writes each cell's position and sequence ids besides its K and V.
 SAVED_CELL_BYTES = 16
+# Tokens of one llama_decode of the embedding context (and its batch size): its compute and
+# output buffers grow with it, and 128-token passes embed 1,024 tokens in 0.52 s against
+# 0.55 s at 256 (2 threads, AMD EPYC), so more would only cost memory.
+EMBED_BATCH_TOKENS = 128
+# Measured beyond the embedding context's KV, compute and output buffers: its RSS grew by
+# 75.0 MiB at n_ctx 1,024 and 98.7 at 2,048 (batch 128) where those add up to 71.3 and 93.8.
+EMBED_SLACK_BYTES = 4 * 2**20
 # Prompt rows scored per numpy pass: the pass holds two float64 copies of the block
 # (2 x 8 x vocab x 8 B, 6 MiB for 49,152 tokens), counted in the memory profile.
 SCORE_BLOCK_ROWS = 8
@@ -60,6 +67,31 @@ def kv_layout(config: ModelConfig, n_ctx: int, num_seqs: int) -> tuple[bool, int
 
 
 
+def embed_cells(config: ModelConfig) -> int:
+    """The embedding context's KV cells: one input of max_seq_len, rounded as llama.cpp does."""
+    return math.ceil((config.max_seq_len or 1) / _KV_CELL_ALIGN) * _KV_CELL_ALIGN
+
+
+def embed_batch_tokens(config: ModelConfig) -> int:
+    return min(EMBED_BATCH_TOKENS, config.max_step_tokens)
+
+
+def _embeddings(config: ModelConfig, shape: ModelShape, per_token: int) -> Overhead:
+    """The embedding context (``backend.py``, ``embed``): a llama.cpp context of its own, so
+    an embedding never touches a slot's KV. Its KV holds one input of max_seq_len; its
+    compute buffer is sized like the main one for its batch; with embeddings on, llama.cpp
+    keeps every batch row's logits and hidden state in its output buffer."""
+    cells, batch = embed_cells(config), embed_batch_tokens(config)
+    compute = batch * (shape.vocab_size + 2 * shape.hidden_size) * 4
+    if config.options.get("flash_attn", "auto") is False:
+        compute += batch * cells * shape.n_heads * 4
+    outputs = batch * (shape.vocab_size + shape.hidden_size) * 4
+    return Overhead("embeddings", cells * per_token + compute + outputs + EMBED_SLACK_BYTES,
+                    f"a context of its own: KV of {cells} cells + {batch}-token compute "
+                    f"buffer + {batch} output rows x (vocab + hidden) x 4 B + "
+                    f"{EMBED_SLACK_BYTES // 2**20} MiB (measured)")
+
+
 def memory_profile(config: ModelConfig, shape: ModelShape) -> MemoryProfile:
     """llama.cpp's buffers, as its allocator sizes them on the CPU.
 
@@ -93,6 +125,7 @@ def memory_profile(config: ModelConfig, shape: ModelShape) -> MemoryProfile:
                      f"{saved} tokens of evicted streams' KV kept "
                      f"in host memory (saved_kv_tokens) x (KV per token + "
                      f"{SAVED_CELL_BYTES} B)"),
+            _embeddings(config, shape, per_token),
             Overhead("vocabulary", shape.vocab_size * _VOCAB_BYTES_PER_TOKEN,
                      f"{_VOCAB_BYTES_PER_TOKEN} B per token (measured: about 20 MiB for "
                      "49,152 tokens)"),

@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem, StepResult
+from laya_core.embeddings import DEFAULT_POOLING
 from laya_core.memory_plan import MemoryProfile
-from laya_core.model_files import ModelShape
+from laya_core.model_files import ModelShape, read_shape
 from laya_core.threads import ThreadGovernor
 from laya_core.types import Sample, SamplingParams
 
@@ -36,6 +37,7 @@ class TorchBackend(Backend):
     kv_layout = "paged"
     kv_cache_dtypes = ("f32", "f16", "bf16")
     supports_prompt_logprobs = True
+    supports_embeddings = True
     option_names = frozenset(options.OPTIONS)
 
     @classmethod
@@ -90,6 +92,7 @@ class TorchBackend(Backend):
         if chosen.compile:
             self._forward = torch.compile(self._model.forward, dynamic=True)
         self._samplers: dict[int, Any] = {}
+        self.pooling = read_shape(self.config.path).pooling or DEFAULT_POOLING
         self._runtime = {
             "device": chosen.device, "dtype": chosen.dtype, "dtype_reason": chosen.reason,
             "quantize": chosen.quantize, "quantize_reason": chosen.quantize_reason,
@@ -100,6 +103,7 @@ class TorchBackend(Backend):
             # 16-bit and integer products give that (quant.two_rows), float32's change with
             # the row count, and attention needs float64 (deterministic, model._attend).
             "deterministic": chosen.deterministic,
+            "embedding_pooling": self.pooling,
             "batch_invariant": chosen.device == "cpu" and chosen.deterministic
             and (chosen.dtype != "float32" or chosen.quantize != "none"),
         }
@@ -121,6 +125,33 @@ class TorchBackend(Backend):
         self._block_size = BLOCK_SIZE
         self._model.allocate_kv(num_tokens // BLOCK_SIZE * BLOCK_SIZE,
                                 getattr(self._torch, kv_dtype))
+        # The embedding scratch: one input's KV of its own, so an embedding never takes
+        # blocks from the KV manager or writes a running sequence's (memory.py, embeddings).
+        pool = self._model.kv_pool
+        cells = memory.embed_cells(self.config)
+        self._embed_pool = self._torch.zeros((pool.shape[0], cells, *pool.shape[2:]),
+                                             dtype=pool.dtype, device=pool.device)
+
+    def embed(self, token_ids: Sequence[int]) -> Any:
+        """The final norm's hidden states of ``token_ids``, pooled (``self.pooling``): the
+        input prefilled in chunks of max_step_tokens, as a prompt is, into the scratch."""
+        from laya_backend_torch.model import build_batch
+
+        torch, n = self._torch, len(token_ids)
+        size, table = self.config.max_step_tokens, list(range(self._embed_pool.shape[1]
+                                                              // self._block_size))
+        pooled = torch.zeros(self._model.config.hidden_size, dtype=torch.float64)
+        with torch.inference_mode():
+            for start in range(0, n, size):
+                chunk = list(token_ids[start:start + size])
+                end = start + len(chunk)
+                rows = {"mean": range(len(chunk)), "cls": range(1 if start == 0 else 0)}.get(
+                    self.pooling, range(len(chunk) - 1, len(chunk)) if end == n else range(0))
+                batch = build_batch([(chunk, start, table)], list(rows),
+                                    self._block_size).to(self._device)
+                hidden = self._model.forward(batch, kv_pool=self._embed_pool, hidden=True)
+                pooled += hidden.double().sum(dim=0).cpu()
+        return (pooled / n if self.pooling == "mean" else pooled).numpy()
 
     def tokenizer(self) -> Any:
         if self._tokenizer is None:

@@ -144,6 +144,12 @@ def activation_bytes(config: ModelConfig, c: LlamaConfig, shape: ModelShape,
             + history_tokens(config) * kv_width * (pool_bytes + HISTORY_EXTRA_BYTES))
 
 
+def embed_cells(config: ModelConfig) -> int:
+    """Slots of the embedding scratch (backend.py, ``embed``): one input of max_seq_len, in
+    whole blocks of 16."""
+    return -(-(config.max_seq_len or 4096) // 16) * 16
+
+
 def pool_tokens(config: ModelConfig) -> int:
     return config.kv_cache_tokens or (config.max_seq_len or 4096) * (config.max_num_seqs or 1)
 
@@ -199,6 +205,11 @@ def memory_profile(config: ModelConfig, shape: ModelShape) -> MemoryProfile:
         Overhead("logits", logits,
                  f"vocab x ({sampled} sampled rows x {SAMPLED_ROW_BYTES} B (logits, sampler) "
                  f"+ {scored} scored rows x {SCORED_ROW_BYTES} B (logits, log-softmax))"),
+        # Allocated (zeroed) with the pool; an embedding's passes are no larger than a
+        # step's, and run between steps, so their activations are the step's line.
+        Overhead("embeddings", embed_cells(config) * kv_per_token,
+                 f"the embedding scratch: KV of one input of {embed_cells(config)} tokens "
+                 "(max_seq_len), in the pool's dtype"),
         # One libtorch per process: replicas in one process share it, and the plan
         # counts it once; each replica's engine thread has its own OpenMP threads.
         Overhead("torch runtime", runtime,

@@ -185,9 +185,13 @@ class LlamaModel:
         shape = (c.num_layers, num_slots, 2 * c.num_kv_heads, c.head_dim)
         self.kv_pool = torch.zeros(shape, dtype=kv_dtype, device=self.device)
 
-    def forward(self, batch: Batch) -> torch.Tensor:
-        """The float32 logits [R, vocab] of ``batch.logit_rows``."""
+    def forward(self, batch: Batch, kv_pool: torch.Tensor | None = None,
+                hidden: bool = False) -> torch.Tensor:
+        """The float32 logits [R, vocab] of ``batch.logit_rows``; with ``hidden``, their
+        final-norm hidden states [R, hidden_size] instead (embeddings). ``kv_pool``: the
+        pool the batch's slots index, if not the model's (the embedding scratch)."""
         c = self.config
+        pool = self.kv_pool if kv_pool is None else kv_pool
         # index_select, not t[ids]: advanced indexing costs 5 times as much on these small
         # gathers (20 us against 4 for a 150-token history, AMD EPYC), 60 times a step.
         h = self.embed.rows(batch.tokens)
@@ -198,17 +202,17 @@ class LlamaModel:
             qkv = layer.qkv(x).view(-1, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
             heads = c.num_heads + c.num_kv_heads  # q and k rotated together: half the ops
             q, k = rotate(qkv[:, :heads], cos, sin).split((c.num_heads, c.num_kv_heads), dim=1)
-            kv = torch.cat((k, qkv[:, heads:]), dim=1).to(self.kv_pool.dtype)
-            self.kv_pool[i].index_copy_(0, batch.slots, kv)
-            h = h + layer.o(self._attend(i, q, batch.attention))
+            kv = torch.cat((k, qkv[:, heads:]), dim=1).to(pool.dtype)
+            pool[i].index_copy_(0, batch.slots, kv)
+            h = h + layer.o(self._attend(pool[i], q, batch.attention))
             x = F.rms_norm(h, (c.hidden_size,), layer.post_norm, c.rms_norm_eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
             h = h + layer.down(F.silu(gate) * up)
         rows = h.index_select(0, batch.logit_rows)
         rows = F.rms_norm(rows, (c.hidden_size,), self.norm, c.rms_norm_eps)
-        return self.lm_head(rows).float()
+        return rows.float() if hidden else self.lm_head(rows).float()
 
-    def _attend(self, layer: int, q: torch.Tensor, a: Attention) -> torch.Tensor:
+    def _attend(self, pool: torch.Tensor, q: torch.Tensor, a: Attention) -> torch.Tensor:
         """Attention output [T, heads x head_dim] for every row of ``q`` [T, heads, dim].
 
         In float32 whatever the compute dtype: the CPU's bfloat16 attention kernel took 5 to
@@ -221,7 +225,7 @@ class LlamaModel:
         times the attention's cost."""
         dtype, q = q.dtype, q.to(self.attention_dtype)
         out = torch.empty(q.shape[0], self.q_size, dtype=q.dtype, device=q.device)
-        pool, kv_heads = self.kv_pool[layer], self.config.num_kv_heads
+        kv_heads = self.config.num_kv_heads  # pool: one layer's [slots, 2 kv_heads, dim]
         if a.decode_rows is not None:
             assert a.decode_slots is not None
             b, length = a.decode_slots.shape
