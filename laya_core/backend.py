@@ -45,6 +45,10 @@ class ModelConfig:
     max_queue: int = 64  # requests waiting for room; more get 429
     queue_timeout_s: float = 30.0  # a request waiting longer gets 503
     options: dict[str, Any] = attrs.field(factory=dict)
+    # /v1/embeddings for this model: the backend then holds memory of its own for one
+    # input of max_seq_len (planned); off by default, since a generation-only deployment
+    # would pay for it on every replica (a 7B model at 32k: 16 GiB of KV).
+    embeddings: bool = False
 
 
 @attrs.frozen
@@ -226,6 +230,14 @@ class Backend(abc.ABC):
         scratch KV of its own) is allocated by ``allocate_kv`` and counted by
         ``memory_profile`` as an ``embeddings`` line."""
         raise NotImplementedError(f"the {self.name} backend cannot compute embeddings")
+
+    def load_tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer without its weights, on an instance that was never loaded:
+        for a front end whose replica runs in a worker process (laya_core/worker_client.py),
+        which tokenizes prompts itself. Called from any thread; it must be cheap in time and
+        memory (a vocabulary, not a model). None, the default: the backend cannot, and its
+        replicas run in the server's process."""
+        return None
 
     def describe(self) -> dict[str, Any]:
         """How this instance runs, for the start-up log and ``/ready``: the hardware and

@@ -44,7 +44,7 @@ def cmd_plugins(args: argparse.Namespace, registry: Registry) -> int:
 
 def cmd_check(args: argparse.Namespace, registry: Registry) -> int:
     manifest, _ = cli_settings.build(args, registry)
-    plan = planner.make_plan(manifest, registry)
+    plan = planner.make_plan(manifest, registry, serving=True)
     for m in planner.decided_manifest(manifest, plan).models:
         print(f"ok: {m.name}: backend {m.backend}, {m.path}, max_seq_len {m.max_seq_len}, "
               f"max_num_seqs {m.max_num_seqs}, kv_cache_tokens {m.kv_cache_tokens}, "
@@ -58,7 +58,7 @@ def cmd_check(args: argparse.Namespace, registry: Registry) -> int:
 
 def cmd_plan(args: argparse.Namespace, registry: Registry) -> int:
     manifest, source = cli_settings.build(args, registry, need_backends=False)
-    plan = planner.make_plan(manifest, registry)
+    plan = planner.make_plan(manifest, registry, serving=True)
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
     elif args.systemd:
@@ -104,7 +104,7 @@ def cmd_serve(args: argparse.Namespace, registry: Registry) -> int:
     from laya_core.serve import serve
 
     manifest, _ = cli_settings.build(args, registry)
-    plan = planner.make_plan(manifest, registry)
+    plan = planner.make_plan(manifest, registry, serving=True)
     if not plan.fits:
         print("laya: refusing to start: the plan does not fit its memory budget.\n"
               f"{planner.format_plan(plan)}", file=sys.stderr)

@@ -53,6 +53,9 @@ class ReplicaInfo:
     max_queue: int  # requests that may wait for room; 0: none wait, the rest get 429
     supports_prompt_logprobs: bool
     model_info: ModelInfo  # vocabulary size, chat template, BOS/EOS and special-token texts
+    # Whether the backend can embed at all (Backend.supports_embeddings); the model's
+    # manifest entry may still leave embeddings off (supports_embeddings() says both).
+    backend_embeds: bool = False
 
 
 @attrs.frozen
@@ -168,7 +171,7 @@ class LocalEngineClient(EngineClient):
                 model=self.model, replica_id=self.replica_id, backend_name=e.backend.name,
                 max_seq_len=e.max_seq_len, max_queue=e.config.max_queue,
                 supports_prompt_logprobs=e.backend.supports_prompt_logprobs,
-                model_info=e.info)
+                model_info=e.info, backend_embeds=e.backend.supports_embeddings)
         return self._info
 
     def tokenizer(self) -> Tokenizer:
@@ -199,7 +202,7 @@ class LocalEngineClient(EngineClient):
 
     def supports_embeddings(self) -> bool:
         self.info()  # raises until loaded
-        return self._engine.backend.supports_embeddings
+        return self._engine.backend.supports_embeddings and self._engine.config.embeddings
 
     async def embed(self, inputs: Sequence[Sequence[int]]) -> Embeddings:
         # The job keeps lists of its own: nothing the caller holds is read on the engine thread.

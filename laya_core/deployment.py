@@ -8,7 +8,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from laya_core.backend import ModelConfig, ModelInfo
+from laya_core.backend import Backend, ModelConfig, ModelInfo
 from laya_core.chat_prompt import chat_prompt_ids
 from laya_core.chat_template import TemplateError, TemplateRefusal
 from laya_core.client import EngineClient, LocalEngineClient
@@ -17,10 +17,12 @@ from laya_core.logs import resident_bytes
 from laya_core.manifest import Manifest
 from laya_core.memory_plan import Plan
 from laya_core.plugins import Registry
+from laya_core.router import ReplicaState as RouterReplicaState
 from laya_core.router import Router
 from laya_core.structured.tools import ToolUse, prompt_messages
 from laya_core.template_sandbox import TemplateSandbox
 from laya_core.units import fmt_bytes
+from laya_core.worker_client import WorkerEngineClient
 
 # Conversations a model's chat template must render at load: the first it accepts passes.
 # Some templates refuse a system turn or a leading assistant on purpose (raise_exception).
@@ -48,9 +50,18 @@ class ModelUnavailableError(RuntimeError):
 
 
 class Deployment:
-    """Builds one engine per replica from a resolved manifest; the HTTP app talks to this."""
+    """Builds one engine per replica from a resolved manifest; the HTTP app talks to this.
 
-    def __init__(self, manifest: Manifest, registry: Registry, plan: Plan | None = None) -> None:
+    ``processes``: run each replica in a worker process of its own (laya_core/worker.py)
+    rather than on a thread of this process; ``[cluster] engine`` in the manifest decides
+    when it says "process" or "thread", and this argument when it says "auto" (``laya
+    serve`` passes True; code that embeds a deployment gets threads unless it asks).
+    ``worker_plugins``: ``module:attribute`` plugins a worker registers beside the
+    installed ones (the registry's extra plugins, which a new process cannot inherit).
+    """
+
+    def __init__(self, manifest: Manifest, registry: Registry, plan: Plan | None = None,
+                 processes: bool = False, worker_plugins: Sequence[str] = ()) -> None:
         self.manifest = manifest
         self.registry = registry
         self.plan = plan
@@ -59,23 +70,38 @@ class Deployment:
         router_name = registry.router_name(manifest.router.impl)
         self.router_name = router_name
         self.router: Router = registry.routers[router_name].obj()
-        self.engines: list[Engine] = []
+        self.engines: list[Engine] = []  # the replicas on threads of this process
+        self.workers: list[WorkerEngineClient] = []  # the replicas in worker processes
         # What the HTTP side uses, one per replica, by replica id (the router's choice).
         self.clients: list[EngineClient] = []
         self.models: dict[str, ModelConfig] = {}
         self.templates = TemplateSandbox()
         self.started_at: float | None = None  # time.monotonic() when the loads began
+        engine_kind = manifest.cluster.engine
+        self.processes = engine_kind == "process" or (engine_kind == "auto" and processes)
         for config in manifest.models:
             self.models[config.name] = config
             backend_cls = registry.backends[config.backend].obj
             scheduler_cls = registry.schedulers[config.scheduler].obj
             cache_cls = registry.cache_policy_for(config.backend, config.cache_policy)
+            in_worker = self.processes and backend_cls.load_tokenizer is not Backend.load_tokenizer
+            if self.processes and not in_worker:
+                log.info("%s: the %s backend cannot load its tokenizer apart from its weights, "
+                         "so its replicas run in this process", config.name, config.backend)
             for _ in range(config.replicas):
-                replica = len(self.engines)
-                engine = Engine(config, backend_cls(config), scheduler_cls, cache_cls,
-                                replica_id=replica, on_loaded=self._loaded)
-                self.engines.append(engine)
-                self.clients.append(LocalEngineClient(engine))
+                replica = len(self.clients)
+                client: EngineClient
+                if in_worker:
+                    client = WorkerEngineClient(
+                        config, replica, backend_cls(config), worker_plugins,
+                        on_change=self._changed, on_loaded=self._worker_loaded)
+                    self.workers.append(client)
+                else:
+                    engine = Engine(config, backend_cls(config), scheduler_cls, cache_cls,
+                                    replica_id=replica, on_loaded=self._loaded)
+                    self.engines.append(engine)
+                    client = LocalEngineClient(engine)
+                self.clients.append(client)
                 self.router.add_replica(config.name, replica)
             self.router.set_policy(config.name, config.routing)
 
@@ -83,18 +109,37 @@ class Deployment:
         self.started_at = time.monotonic()
         for engine in self.engines:
             engine.start()
+        for worker in self.workers:
+            worker.start()
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        return all(engine.wait_ready(timeout) for engine in self.engines)
+        return all([engine.wait_ready(timeout) for engine in self.engines]
+                   + [worker.wait_ready(timeout) for worker in self.workers])
 
     @property
     def ready(self) -> bool:
         return all(c.state().ready for c in self.clients)
 
+    @property
+    def loading(self) -> bool:
+        """Whether some replica's first load has not ended yet."""
+        return any(c.state().state is EngineState.LOADING for c in self.clients)
+
     def stop(self) -> None:
+        for worker in self.workers:
+            worker.begin_stop()
         for engine in self.engines:
             engine.stop()
+        for worker in self.workers:
+            worker.stop()
         self.templates.close()
+
+    def _changed(self, worker: WorkerEngineClient) -> None:
+        """A worker's state changed (on its supervisor's thread): the router routes only to
+        replicas that are up."""
+        up = worker.state().state is EngineState.READY
+        self.router.set_state(worker.replica_id,
+                              RouterReplicaState.UP if up else RouterReplicaState.DOWN)
 
     def model(self, name: str) -> ModelConfig:
         try:
@@ -120,12 +165,16 @@ class Deployment:
         if all(s.state in (EngineState.FAILED, EngineState.STOPPED) for s in states):
             reasons = "; ".join(sorted({s.error or s.state.value for s in states}))
             raise ModelUnavailableError(f"the model {name!r} failed to load: {reasons}", True)
+        restarting = sorted({s.error for s in states if s.error})
+        if restarting:  # a worker died and is starting again
+            raise ModelUnavailableError(f"the model {name!r} is restarting: "
+                                        + "; ".join(restarting), False)
         raise ModelUnavailableError(f"the model {name!r} is still loading", False)
 
     @property
     def all_failed(self) -> bool:
         """Every replica of every model failed to load: nothing will ever be served."""
-        return all(e.state is EngineState.FAILED for e in self.engines)
+        return all(c.state().state is EngineState.FAILED for c in self.clients)
 
     def render_chat(self, info: ModelInfo, messages: Sequence[Mapping[str, Any]],
                     add_generation_prompt: bool = True,
@@ -153,31 +202,42 @@ class Deployment:
         """On the engine's thread, once its model has loaded: test the chat template, then
         log how long the load took, its planned memory and how the backend runs
         (Backend.describe)."""
-        self._probe_template(engine)
-        took = time.monotonic() - (self.started_at or time.monotonic())
-        log.info("%s replica %d ready in %.1f s: %s; %s", engine.config.name,
-                 engine.replica_id, took, self._memory_of(engine),
-                 "; ".join(f"{k} {_plain(v)}" for k, v in engine.runtime().items()) or "-")
+        assert engine.info is not None
+        self._probe_template(engine.info)
+        self._log_loaded(engine.config.name, engine.replica_id, engine.kv_capacity_tokens,
+                         engine.runtime(), resident_bytes())
 
-    def _memory_of(self, engine: Engine) -> str:
-        """The replica's planned bytes (weights, KV pool) and the process's resident set."""
+    def _worker_loaded(self, worker: WorkerEngineClient) -> None:
+        """On the worker's supervisor thread, each time its process has loaded."""
+        self._probe_template(worker.info().model_info)
+        self._log_loaded(worker.model, worker.replica_id, worker.state().kv_capacity_tokens,
+                         worker.runtime(), worker.resident_bytes())
+
+    def _log_loaded(self, name: str, replica: int, kv_tokens: int, runtime: dict[str, Any],
+                    rss: int | None) -> None:
+        took = time.monotonic() - (self.started_at or time.monotonic())
+        restarts = runtime.get("restarts", 0)
+        log.info("%s replica %d %s: %s; %s", name, replica,
+                 f"ready in {took:.1f} s" if not restarts else f"back after restart {restarts}",
+                 self._memory_of(replica, kv_tokens, rss),
+                 "; ".join(f"{k} {_plain(v)}" for k, v in runtime.items()) or "-")
+
+    def _memory_of(self, replica: int, kv_tokens: int, rss: int | None) -> str:
+        """The replica's planned bytes (weights, KV pool) and its process's resident set."""
         ledgers = {r.replica: r for r in self.plan.replicas} if self.plan else {}
-        ledger = ledgers.get(engine.replica_id)
-        parts = [f"KV pool {engine.kv_capacity_tokens} tokens"]
+        ledger = ledgers.get(replica)
+        parts = [f"KV pool {kv_tokens} tokens"]
         if ledger is not None:
             parts = [f"weights {fmt_bytes(ledger.profile.weights_bytes)}",
                      f"KV pool {fmt_bytes(ledger.kv_pool_bytes)} ({ledger.pool_tokens} tokens)",
                      f"planned {fmt_bytes(ledger.total_bytes)}"]
-        rss = resident_bytes()
         if rss is not None:
             parts.append(f"process resident {fmt_bytes(rss)}")
         return ", ".join(parts)
 
-    def _probe_template(self, engine: Engine) -> None:
+    def _probe_template(self, info: ModelInfo) -> None:
         """Refuse a model whose chat template cannot render a plain conversation within the
-        sandbox's bounds; runs on the engine's thread once the model has loaded."""
-        info = engine.info
-        assert info is not None
+        sandbox's bounds; runs once the model has loaded, before it serves."""
         refusals = []
         for probe in PROBES:
             try:

@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from laya_core.allowed_tokens import TokenConstraint
 from laya_core.backend import Backend, ModelConfig, ModelInfo
@@ -35,6 +36,12 @@ _IDLE_POLL_S = 0.5
 # The ends counted in Engine.finished; a REJECTED one is a refusal, counted in rejections.
 _COUNTED_FINISHES = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.CANCELLED,
                      FinishReason.ERROR)
+
+
+class EventSink(Protocol):
+    """What takes a request's events on its event loop (an ``asyncio.Queue`` does)."""
+
+    def put_nowait(self, event: TokenEvent) -> None: ...
 
 
 class EngineState(enum.Enum):
@@ -129,10 +136,13 @@ class Engine:
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                loop: asyncio.AbstractEventLoop | None = None,
-               constraint: TokenConstraint | None = None) -> GenerationStream:
+               constraint: TokenConstraint | None = None,
+               sink: EventSink | None = None) -> GenerationStream:
         """Queue a request; call from the event loop that will read the stream.
         ``constraint``: what the sequence may sample at each step (``Sequence.constraint``);
-        it is called on the engine thread."""
+        it is called on the engine thread. ``sink``: where the events go instead of the
+        returned stream's queue (a worker process forwards them; ``put_nowait`` is called
+        on ``loop``, all of a step's events in one callback)."""
         if self.state is not EngineState.READY:
             raise EngineUnavailableError(
                 f"{self.config.name} replica {self.replica_id} is {self.state.value}")
@@ -148,7 +158,7 @@ class Engine:
         seq = Sequence(next(self._ids), list(prompt_token_ids), params, constraint=constraint)
         stream = GenerationStream(seq.seq_id, seq.num_prompt_tokens, self.cancel)
         detok = IncrementalDetokenizer(self.tokenizer.token_bytes, params.stop)
-        self._inbox.put(Live(seq, loop, stream.queue, detok))
+        self._inbox.put(Live(seq, loop, sink or stream.queue, detok))  # type: ignore[arg-type]
         return stream
 
     def embed(self, inputs: list[list[int]],
@@ -162,6 +172,9 @@ class Engine:
         if not self.backend.supports_embeddings:
             raise EmbeddingsUnsupportedError(
                 f"the {self.backend.name} backend cannot compute embeddings")
+        if not self.config.embeddings:
+            raise EmbeddingsUnsupportedError(
+                f"embeddings are off for {self.config.name} (embeddings = true turns them on)")
         if not inputs or not all(inputs):
             raise ValueError("every input must hold at least one token")
         longest = max(map(len, inputs))

@@ -29,10 +29,11 @@ def setup_logging(level: int = logging.INFO) -> None:
     root.setLevel(level)
 
 
-def resident_bytes() -> int | None:
-    """This process's resident set size now (Linux /proc), or None where it cannot be read."""
+def resident_bytes(pid: int | None = None) -> int | None:
+    """The resident set size now of this process (or of ``pid``), from Linux's /proc; None
+    where it cannot be read."""
     try:
-        with open("/proc/self/statm", "rb") as f:
+        with open(f"/proc/{pid or 'self'}/statm", "rb") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None

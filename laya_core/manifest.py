@@ -32,8 +32,9 @@ from laya_core.server_manifest import (
     parse_server,
 )
 
-__all__ = ["EMBEDDED_MODEL", "KV_CACHE_DTYPES", "MEMORY_KEYS", "MODEL_KEYS", "ROUTER_KEYS",
-           "SERVER_KEYS", "TOP_KEYS", "Manifest", "ManifestError",
+__all__ = ["CLUSTER_KEYS", "EMBEDDED_MODEL", "ENGINE_KINDS", "KV_CACHE_DTYPES", "MEMORY_KEYS",
+           "MODEL_KEYS", "ROUTER_KEYS", "SERVER_KEYS", "TOP_KEYS", "ClusterConfig",
+           "Manifest", "ManifestError",
            "MemoryConfig", "RouterConfig", "ServerConfig", "build", "default_manifest",
            "from_dict", "load", "parse_size", "read_toml", "resolve"]
 
@@ -56,6 +57,18 @@ class RouterConfig:
     impl: str | None = None  # None: "cpp" when installed, else "python"
 
 
+ENGINE_KINDS = ("auto", "process", "thread")
+
+
+@attrs.frozen
+class ClusterConfig:
+    """Where replicas run: "process", a worker process each (``laya serve``'s default, as
+    "auto" is there); "thread", threads of the server's own process (a backend crash takes
+    the server down); "auto", whatever the caller chose (laya_core/deployment.py)."""
+
+    engine: str = "auto"
+
+
 @attrs.frozen
 class Manifest:
     server: ServerConfig
@@ -65,11 +78,21 @@ class Manifest:
     source: str = "<default>"
     # Each model's index among the file's [[models]] (for key paths in messages).
     model_index: Mapping[str, int] = attrs.field(factory=dict, eq=False)
+    cluster: ClusterConfig = ClusterConfig()
 
 
 MEMORY_KEYS = ("budget",)
 ROUTER_KEYS = ("impl",)
-TOP_KEYS = ("server", "memory", "router", "models")
+CLUSTER_KEYS = ("engine",)
+TOP_KEYS = ("server", "memory", "router", "cluster", "models")
+
+
+def _cluster(data: Any, problems: Problems) -> ClusterConfig:
+    t = Table(data, "cluster", problems)
+    engine = t.get("engine", str, "auto", check=lambda v: None if v in ENGINE_KINDS else
+                   f"must be one of {', '.join(ENGINE_KINDS)}, got {v!r}")
+    t.finish(CLUSTER_KEYS)
+    return ClusterConfig(engine)
 
 
 def _memory(data: Any, problems: Problems) -> MemoryConfig:
@@ -92,7 +115,8 @@ def _router(data: Any, problems: Problems) -> RouterConfig:
 
 MODEL_KEYS = ("name", "backend", "path", "max_seq_len", "max_num_seqs", "kv_cache_tokens",
               "kv_cache_dtype", "prefix_caching", "routing", "replicas", "max_step_tokens",
-              "max_queue", "queue_timeout_s", "scheduler", "cache_policy", "options")
+              "max_queue", "queue_timeout_s", "scheduler", "cache_policy", "embeddings",
+              "options")
 KV_CACHE_DTYPES = KV_DTYPE_NAMES
 
 
@@ -139,13 +163,14 @@ def _model(data: Any, index: int, base_dir: Path, problems: Problems) -> ModelCo
     scheduler = t.get("scheduler", str, "fcfs", check=non_empty)
     cache_policy = t.get("cache_policy", str, "auto", check=non_empty)
     options = dict(t.get("options", dict, {}))
+    embeddings = t.get("embeddings", bool, False)
     t.finish(MODEL_KEYS)
     if name is None or path is None:
         return None
     return ModelConfig(name, backend, path, max_seq_len, max_num_seqs, replicas,
                        max_step_tokens, scheduler, cache_policy, kv_cache_tokens,
                        kv_cache_dtype, prefix_caching, routing, max_queue,
-                       float(queue_timeout_s), options)
+                       float(queue_timeout_s), options, embeddings)
 
 
 def _from_dict(data: Mapping[str, Any], source: str, base_dir: Path,
@@ -155,6 +180,7 @@ def _from_dict(data: Mapping[str, Any], source: str, base_dir: Path,
     server = parse_server(t.get("server", dict, {}), problems, base_dir)
     memory = _memory(t.get("memory", dict, {}), problems)
     router = _router(t.get("router", dict, {}), problems)
+    cluster = _cluster(t.get("cluster", dict, {}), problems)
     raw_models = t.get("models", list, required=True)
     t.finish(TOP_KEYS)
     if raw_models == []:
@@ -173,7 +199,7 @@ def _from_dict(data: Mapping[str, Any], source: str, base_dir: Path,
             continue
         seen[m.name] = i
         models.append(m)
-    return Manifest(server, memory, router, tuple(models), source, seen)
+    return Manifest(server, memory, router, tuple(models), source, seen, cluster)
 
 
 def from_dict(data: Mapping[str, Any], source: str = "<dict>",
@@ -307,6 +333,9 @@ def _resolve_model(m: ModelConfig, i: int, registry: Any, need_backends: bool,
         problems.add(f"models[{i}].kv_cache_dtype",
                      f"the {m.backend} backend cannot store a {m.kv_cache_dtype} KV "
                      f"cache; it supports {', '.join(backend.obj.kv_cache_dtypes)}")
+    if backend and m.embeddings and not backend.obj.supports_embeddings:
+        problems.add(f"models[{i}].embeddings",
+                     f"the {m.backend} backend cannot compute embeddings; remove the key")
     if backend and need_backends:
         _check_options(backend.obj, m, i, problems)
         _check_layout(backend.obj, m, i, registry, problems)

@@ -22,6 +22,19 @@ from laya_core.model_files import ModelShape
 # Plus the chat-template sandbox, a child process in the same cgroup, at its address-space
 # cap (laya_core/template_sandbox.py; about 22 MiB resident when idle).
 RUNTIME_OVERHEAD_BYTES = 96 * 2**20 + 64 * 2**20
+# A replica in a worker process of its own (laya_core/worker.py): Python, Laya and the
+# backend's library again. Measured (AMD EPYC, CPython 3.11): 41 MiB after importing the
+# worker and its core modules, 54 MiB with llama_cpp's library; the rest is the worker's
+# threads' stacks and allocator slack.
+WORKER_PROCESS_BYTES = 64 * 2**20
+# The front end keeps each replica's tokenizer (Backend.load_tokenizer): llama.cpp's
+# vocabulary-only load of 49,152 tokens measured 17 MiB.
+FRONT_TOKENIZER_BYTES_PER_TOKEN = 400
+# Structured output (laya_core/structured/compiler.py), measured on AMD EPYC with the
+# embedded model's 49,152 tokens: llguidance's index of the vocabulary took 25 MiB, and 256
+# compiled 12-record JSON schemas with a live copy each 26 MiB.
+GRAMMAR_VOCAB_BYTES_PER_TOKEN = 540
+GRAMMAR_BYTES = 100 * 1024
 DEFAULT_MAX_SEQ_LEN = 4096
 DEFAULT_MAX_NUM_SEQS = 4
 # Prompt positions whose logits one step may ask for (prompt log-probabilities). Each costs
@@ -121,6 +134,7 @@ class Plan:
     runtime_bytes: int
     budget: Budget
     suggestions: tuple[str, ...] = ()
+    processes: bool = False  # each replica in a worker process (its ledger says so)
 
     @property
     def shared_bytes_counted_once(self) -> int:
@@ -147,7 +161,7 @@ class Plan:
         return {
             "fits": self.fits, "budget_bytes": self.budget.bytes,
             "budget_source": self.budget.source, "headroom_bytes": self.budget.headroom_bytes,
-            "runtime_bytes": self.runtime_bytes,
+            "runtime_bytes": self.runtime_bytes, "worker_processes": self.processes,
             "shared_bytes_counted_once": self.shared_bytes_counted_once,
             "total_bytes": self.total_bytes,
             "replicas": [r.to_json() for r in self.replicas],

@@ -12,13 +12,20 @@ from laya_core.backend import Backend, ModelConfig
 from laya_core.manifest import Manifest
 from laya_core.manifest_table import Problems
 from laya_core.memory_plan import (
+    FRONT_TOKENIZER_BYTES_PER_TOKEN,
+    GRAMMAR_BYTES,
+    GRAMMAR_VOCAB_BYTES_PER_TOKEN,
     KV_DTYPES,
     RUNTIME_OVERHEAD_BYTES,
+    WORKER_PROCESS_BYTES,
+    MemoryProfile,
+    Overhead,
     Plan,
     ReplicaLedger,
     decide_sizes,
 )
 from laya_core.model_files import ModelFileError, ModelShape, read_shape
+from laya_core.structured.compiler import CACHE_SIZE as GRAMMAR_CACHE_SIZE
 from laya_core.plugins import Registry
 from laya_core.units import fmt_bytes
 
@@ -30,10 +37,41 @@ def _backend_cls(registry: Registry, config: ModelConfig) -> type[Backend]:
     return entry.obj if entry else Backend  # not installed here: the generic profile
 
 
-def _ledgers(configs: list[tuple[ModelConfig, ModelShape, type[Backend]]]) -> list[ReplicaLedger]:
+def _in_worker(profile: MemoryProfile, shape: ModelShape) -> MemoryProfile:
+    """A replica's profile when it runs in a worker process of its own: that process's
+    interpreter and libraries, the vocabulary the front end keeps to tokenize, and no line
+    shared with other replicas (each worker loads its own copy). Weights mapped from the
+    file are the worker's alone: the front end reads only the vocabulary."""
+    own = tuple(attrs.evolve(o, shared=None) for o in profile.overheads)
+    return attrs.evolve(profile, overheads=(
+        *own,
+        Overhead("worker process", WORKER_PROCESS_BYTES,
+                 "Python, Laya and the backend's library in the replica's own process "
+                 "(measured: 54 MiB with llama.cpp's after imports), with stacks and slack"),
+        Overhead("front-end tokenizer", shape.vocab_size * FRONT_TOKENIZER_BYTES_PER_TOKEN,
+                 f"the vocabulary the HTTP side tokenizes with, {FRONT_TOKENIZER_BYTES_PER_TOKEN}"
+                 " B per token (measured: 17 MiB for llama.cpp's of 49,152 tokens)")))
+
+
+def _with_constraints(profile: MemoryProfile, shape: ModelShape) -> MemoryProfile:
+    """Structured output's share: the matcher's view of the vocabulary and the replica's
+    cache of compiled grammars (laya_core/structured/compiler.py), built on first use."""
+    vocab = shape.vocab_size * GRAMMAR_VOCAB_BYTES_PER_TOKEN
+    cache = GRAMMAR_CACHE_SIZE * GRAMMAR_BYTES
+    return attrs.evolve(profile, overheads=(*profile.overheads, Overhead(
+        "grammars", vocab + cache,
+        f"structured output: the vocabulary's index ({GRAMMAR_VOCAB_BYTES_PER_TOKEN} B per "
+        f"token, measured 25 MiB for 49,152) + {GRAMMAR_CACHE_SIZE} cached grammars x "
+        f"{GRAMMAR_BYTES // 1024} KiB (measured)")))
+
+
+def _ledgers(configs: list[tuple[ModelConfig, ModelShape, type[Backend]]],
+             processes: bool = False) -> list[ReplicaLedger]:
     ledgers, replica = [], 0
     for config, shape, cls in configs:
-        profile = cls.memory_profile(config, shape)
+        profile = _with_constraints(cls.memory_profile(config, shape), shape)
+        if processes and cls.load_tokenizer is not Backend.load_tokenizer:  # as Deployment
+            profile = _in_worker(profile, shape)
         for _ in range(config.replicas):
             ledgers.append(ReplicaLedger(config.name, replica, config, profile))
             replica += 1
@@ -41,12 +79,23 @@ def _ledgers(configs: list[tuple[ModelConfig, ModelShape, type[Backend]]]) -> li
 
 
 def _plan_for(configs: list[tuple[ModelConfig, ModelShape, type[Backend]]],
-              budget: budget_mod.Budget) -> Plan:
-    return Plan(tuple(_ledgers(configs)), RUNTIME_OVERHEAD_BYTES, budget)
+              budget: budget_mod.Budget, processes: bool = False) -> Plan:
+    return Plan(tuple(_ledgers(configs, processes)), RUNTIME_OVERHEAD_BYTES, budget,
+                processes=processes)
 
 
-def make_plan(manifest: Manifest, registry: Registry) -> Plan:
-    """The plan of a resolved manifest (model paths are files or folders)."""
+def uses_processes(manifest: Manifest, serving: bool) -> bool:
+    """Whether the manifest's replicas run in worker processes: ``[cluster] engine``, and
+    for "auto" whether ``laya serve`` runs it (``serving``) or code embeds it."""
+    engine = manifest.cluster.engine
+    return engine == "process" or (engine == "auto" and serving)
+
+
+def make_plan(manifest: Manifest, registry: Registry, serving: bool = False) -> Plan:
+    """The plan of a resolved manifest (model paths are files or folders). ``serving``:
+    planned as ``laya serve`` runs it (worker processes under ``[cluster] engine = "auto"``),
+    rather than as a :class:`~laya_core.deployment.Deployment` built in code."""
+    processes = uses_processes(manifest, serving)
     configs, problems = [], Problems()
     for i, m in enumerate(manifest.models):
         key = f"models[{manifest.model_index.get(m.name, i)}]"
@@ -62,10 +111,11 @@ def make_plan(manifest: Manifest, registry: Registry) -> Plan:
             continue
         configs.append((decided, shape, _backend_cls(registry, m)))
     problems.raise_if_any()
-    plan = _plan_for(configs, budget_mod.detect(manifest.memory.budget_bytes))
+    plan = _plan_for(configs, budget_mod.detect(manifest.memory.budget_bytes), processes)
     if plan.fits:
         return plan
-    return attrs.evolve(plan, suggestions=tuple(_suggestions(configs, plan.budget)))
+    return attrs.evolve(plan, suggestions=tuple(_suggestions(configs, plan.budget,
+                                                             processes)))
 
 
 def decided_manifest(manifest: Manifest, plan: Plan) -> Manifest:
@@ -85,8 +135,9 @@ def _largest(fits: Callable[[int], bool], low: int, high: int) -> int | None:
 
 
 def _suggestions(configs: list[tuple[ModelConfig, ModelShape, type[Backend]]],
-                 budget: budget_mod.Budget) -> list[str]:
-    out = [line for i in range(len(configs)) for line in _suggest_for(i, configs, budget)]
+                 budget: budget_mod.Budget, processes: bool = False) -> list[str]:
+    out = [line for i in range(len(configs))
+           for line in _suggest_for(i, configs, budget, processes)]
     if not out:
         out.append(f"nothing within these models fits {fmt_bytes(budget.bytes)}: the weights "
                    "and fixed overheads alone are too large; use a smaller or more quantized "
@@ -95,14 +146,14 @@ def _suggestions(configs: list[tuple[ModelConfig, ModelShape, type[Backend]]],
 
 
 def _suggest_for(i: int, configs: list[tuple[ModelConfig, ModelShape, type[Backend]]],
-                 budget: budget_mod.Budget) -> list[str]:
+                 budget: budget_mod.Budget, processes: bool = False) -> list[str]:
     """Settings of model i that make the plan fit, the others unchanged."""
     config, shape, cls = configs[i]
 
     def fits_with(**changes: Any) -> bool:
         trial = list(configs)
         trial[i] = (attrs.evolve(config, **changes), shape, cls)
-        return _plan_for(trial, budget).fits
+        return _plan_for(trial, budget, processes).fits
 
     def fits_len(n: int, step_tokens: int = config.max_step_tokens) -> bool:
         length = n * _SEQ_LEN_STEP
@@ -167,7 +218,8 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"  replica total      {fmt_bytes(r.total_bytes):>12}")
     lines += [
         f"runtime              {fmt_bytes(plan.runtime_bytes):>12}   Python, HTTP server, "
-        "libraries (once per process); the chat-template sandbox (64 MiB cap)",
+        "libraries (once per process); the chat-template sandbox (64 MiB cap)"
+        + ("; each replica in a worker process of its own" if plan.processes else ""),
     ]
     if plan.shared_bytes_counted_once:
         lines.append(f"shared, once         {fmt_bytes(-plan.shared_bytes_counted_once):>12}   "

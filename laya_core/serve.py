@@ -72,11 +72,11 @@ def _models_line(deployment: Deployment) -> str:
     """"smollm2 (2 replicas), big (1 replica)", then what failed."""
     served, failed = [], []
     for name in deployment.models:
-        engines = deployment.engines_of(name)
-        ready = sum(e.state is EngineState.READY for e in engines)
+        states = [c.state().state for c in deployment.clients_of(name)]
+        ready = sum(s is EngineState.READY for s in states)
         if ready:
             served.append(f"{name} ({ready} replica{'s' if ready > 1 else ''})")
-        if ready < len(engines):
+        if ready < len(states):
             failed.append(name)
     return ", ".join(served) + (f"; failed to load: {', '.join(failed)}" if failed else "")
 
@@ -86,7 +86,7 @@ async def _watch_load(deployment: Deployment, stop: _Stop, url: str) -> None:
     nothing: end it, rather than answer every request with an error for ever. A model that
     failed beside others that loaded only marks itself failed (/ready and its requests say
     why)."""
-    while any(e.state is EngineState.LOADING for e in deployment.engines):
+    while deployment.loading:
         await asyncio.sleep(_LOAD_WATCH_S)
     if deployment.all_failed:
         stop("no model loaded: every replica failed")
@@ -113,7 +113,7 @@ async def _serve(deployment: Deployment, listener: socket.socket, url: str) -> N
 
 def serve(manifest: Manifest, registry: Registry, plan: Plan | None = None) -> int:
     """Load every replica, serve HTTP, and return an exit status."""
-    deployment = Deployment(manifest, registry, plan)
+    deployment = Deployment(manifest, registry, plan, processes=True)
     server = manifest.server
     try:
         listener = listen(server)
@@ -122,8 +122,9 @@ def serve(manifest: Manifest, registry: Registry, plan: Plan | None = None) -> i
                   e.strerror or e)
         return 1
     url = url_of(listener)
-    log.info("loading %d replica(s) of %s; listening on %s (router: %s)",
-             len(deployment.engines), ", ".join(deployment.models), url,
+    log.info("loading %d replica(s) of %s in %s; listening on %s (router: %s)",
+             len(deployment.clients), ", ".join(deployment.models),
+             "worker processes" if deployment.processes else "this process", url,
              deployment.router_name)
     deployment.start()
     try:
@@ -132,8 +133,8 @@ def serve(manifest: Manifest, registry: Registry, plan: Plan | None = None) -> i
         # Shutting down already: a repeated SIGTERM must not cut the engines' cleanup short.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         deployment.stop()
-    failed = [e for e in deployment.engines if e.error]
-    for engine in failed:
-        log.error("%s replica %d failed to load: %s", engine.config.name, engine.replica_id,
-                  engine.error)
+    failed = [s for s in (c.state() for c in deployment.clients) if s.error]
+    for state in failed:
+        log.error("%s replica %d failed to load: %s", state.model, state.replica_id,
+                  state.error)
     return 1 if failed else 0

@@ -88,6 +88,9 @@ class TokenEvent:
     # its log-probability given the tokens before it.
     prompt_logprobs: tuple[Sample, ...] = ()
     usage: Usage | None = None  # set on the final event
+    # With an ERROR finish: the replica itself went away (its worker process died), so a
+    # retry, on another replica or after the restart, can succeed: the HTTP side says 503.
+    replica_lost: bool = False
 
 
 @attrs.frozen

@@ -84,6 +84,7 @@ backend = "llamacpp"
 path = "embedded:smollm2-135m-instruct"
 max_seq_len = 1024
 max_num_seqs = 8
+embeddings = true
 """
 
 

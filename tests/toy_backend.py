@@ -53,13 +53,20 @@ class ToyBackend(Backend):
 
     name = "toy"
     kv_layout = "paged"
-    option_names = frozenset({"load_delay_s", "fail_load", "step_delay_s"})
+    option_names = frozenset({"load_delay_s", "fail_load", "step_delay_s", "crash_load"})
     supports_prompt_logprobs = True
 
     def load_weights(self) -> ModelInfo:
         time.sleep(self.config.options.get("load_delay_s", 0.0))
         if self.config.options.get("fail_load"):
             raise OSError("the weights are unreadable")
+        if self.config.options.get("crash_load"):  # a native crash, as a bad kernel gives
+            import os
+            import signal
+            import sys
+
+            print("toy: about to crash while loading", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGSEGV)
         self.started: dict[int, int | None] = {}  # sequence id -> the next position it feeds
         self.prompt_len: dict[int, int] = {}
         self.steps: list[list[StepItem]] = []
@@ -74,6 +81,9 @@ class ToyBackend(Backend):
                                              for _ in range(num_tokens // BLOCK_SIZE)]
 
     def tokenizer(self) -> ToyTokenizer:
+        return ToyTokenizer()
+
+    def load_tokenizer(self) -> ToyTokenizer:
         return ToyTokenizer()
 
     def start_sequence(self, seq_id: int, params: SamplingParams) -> None:

@@ -15,7 +15,8 @@ the baseline server (``--baseline``, default the first); ``--out`` writes it all
 
 Laya serves the embedded model with ``max_seq_len = 1024`` and ``max_num_seqs = 16`` and the
 given ``[models.options]`` (none for plain defaults; a ``"backend"`` key among them picks the
-backend: ``--laya 'torch:{"backend": "torch"}'``); llama-server serves the same file with
+backend: ``--laya 'torch:{"backend": "torch"}'``, an ``"engine"`` key ``[cluster] engine``:
+``--laya 'threads:{"engine": "thread"}'``); llama-server serves the same file with
 ``--llama-server-args`` (default ``--parallel 16 -c 16384``: the same 16 slots of 1024).
 It sends traffic only to servers it started on 127.0.0.1.
 """
@@ -41,6 +42,9 @@ LAYA_MANIFEST = """
 [server]
 host = "127.0.0.1"
 port = {port}
+
+[cluster]
+engine = "{engine}"
 
 [[models]]
 name = "smollm2"
@@ -100,10 +104,12 @@ def laya_server(spec: str, workdir: Path) -> Server:
     spec, python = (head, python) if head and python.startswith("/") else (spec, "")
     name, _, options = spec.partition(":")
     table = json.loads(options) if options else {}
-    backend = table.pop("backend", "llamacpp")  # the one key that is not an option
+    backend = table.pop("backend", "llamacpp")  # the two keys that are not options
+    engine = table.pop("engine", "auto")  # [cluster] engine: process, thread
     port = _free_port()
     manifest = workdir / f"{name}.toml"
-    manifest.write_text(LAYA_MANIFEST.format(port=port, backend=backend, options="\n".join(
+    manifest.write_text(LAYA_MANIFEST.format(port=port, backend=backend, engine=engine,
+                                             options="\n".join(
         f"{k} = {_toml_value(v)}" for k, v in table.items())))
     argv = [python or sys.executable, "-m", "laya_core.cli", "serve", str(manifest)]
     return Server(name, argv, "/ready", port)

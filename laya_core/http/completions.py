@@ -17,7 +17,7 @@ from laya_core.http import access_log
 from laya_core.http import generation as gen
 from laya_core.http import openai_format as fmt
 from laya_core.http.body import json_body
-from laya_core.http.errors import APIError, invalid
+from laya_core.http.errors import invalid
 from laya_core.http.observe import Observer
 from laya_core.http.requests import (
     ChatRequest,
@@ -169,9 +169,9 @@ class CompletionHandlers:
             try:
                 async for i, event in gen.merged(runs):
                     if event.finish_reason is FinishReason.ERROR:
-                        yield json.dumps(APIError(500, f"generation failed: {event.error}",
-                                                  code="engine_error").body())
-                        error = "engine_error"
+                        failure = gen.engine_error(event)
+                        yield json.dumps(failure.body())
+                        error = failure.code
                         break
                     if event.text or event.finish_reason or event.samples:
                         body = chunk(i, event)

@@ -36,8 +36,16 @@ from laya_core.router import NoRouteError
 T = TypeVar("T")
 
 
-def _unsupported(req: EmbeddingRequest, client: EngineClient) -> APIError:
-    backend = client.info().backend_name
+def _unsupported(deployment: Deployment, req: EmbeddingRequest,
+                 client: EngineClient) -> APIError:
+    """Why ``client`` embeds nothing: its manifest entry leaves embeddings off, or its
+    backend cannot."""
+    info = client.info()
+    backend = info.backend_name
+    if info.backend_embeds and not deployment.models[req.model].embeddings:
+        return invalid("model", f"embeddings are off for the model {req.model!r}: its "
+                       "[[models]] entry needs embeddings = true (which plans memory for one "
+                       "input of max_seq_len)", "embeddings_off")
     return invalid("model", f"the model {req.model!r} runs on the {backend} backend, which "
                    "cannot compute embeddings; use a model served by the llamacpp or torch "
                    "backend", "embeddings_unsupported")
@@ -104,7 +112,7 @@ async def _embed(deployment: Deployment, req: EmbeddingRequest, ids: list[list[i
     try:
         return await _until_disconnect(request, client.embed(ids)), route_s
     except EmbeddingsUnsupportedError:
-        raise _unsupported(req, client) from None
+        raise _unsupported(deployment, req, client) from None
     except RequestTooLongError as e:
         raise invalid("input", str(e), "context_length_exceeded") from None
     except QueueFullError as e:
@@ -130,7 +138,7 @@ class EmbeddingHandler:
         req = parse_embedding(await json_body(request, deployment.manifest.server))
         client = gen.client_for(deployment, req.model)
         if not client.supports_embeddings():
-            raise _unsupported(req, client)
+            raise _unsupported(deployment, req, client)
         ids = await asyncio.to_thread(_token_ids, req, client)
         result, route_s = await _embed(deployment, req, ids, request)
         usage = {"prompt_tokens": result.num_tokens, "total_tokens": result.num_tokens}

@@ -221,7 +221,12 @@ def release_all(runs: Sequence[Running]) -> None:
         run.release()
 
 
-def _engine_error(event: TokenEvent) -> APIError:
+def engine_error(event: TokenEvent) -> APIError:
+    """What an ERROR finish tells the client: a 503 to retry where the replica went away
+    (a worker process died), else a 500."""
+    if event.replica_lost:
+        return APIError(503, f"{event.error}", code="replica_lost",
+                        retry_after=QUEUE_RETRY_AFTER_S)
     return APIError(500, f"generation failed: {event.error}", code="engine_error")
 
 
@@ -237,7 +242,7 @@ async def collect(run: Running) -> Result:
         samples += event.samples
         prompt += event.prompt_logprobs
         if event.finish_reason is FinishReason.ERROR:
-            raise _engine_error(event)
+            raise engine_error(event)
         if event.finish_reason is not None:
             if run.discard_output:
                 return Result("", FinishReason.LENGTH, event.timing, [], [], prompt)

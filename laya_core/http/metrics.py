@@ -54,8 +54,15 @@ class DeploymentCollector:
                                       labels=[*_LABELS, "finished_reason"])
         rejected = CounterMetricFamily("laya:request_rejections", "Requests refused, by reason.",
                                        labels=[*_LABELS, "reason"])
-        for e in (c.state() for c in d.clients):
+        up = gauge("replica_up", "1 while the replica serves; 0 loading, restarting or failed.")
+        restarts = CounterMetricFamily("laya:replica_restarts",
+                                       "Times the replica's worker process was started again "
+                                       "after it died.", labels=_LABELS)
+        for client in d.clients:
+            e = client.state()
             labels = [e.model, str(e.replica_id)]
+            up.add_metric(labels, 1 if e.ready else 0)
+            restarts.add_metric(labels, getattr(client, "restarts", 0))
             running.add_metric(labels, e.num_running)
             waiting.add_metric(labels, e.num_waiting)
             usage.add_metric(labels, e.kv_usage)
@@ -73,7 +80,7 @@ class DeploymentCollector:
         for (model, reason), count in d.rejections.items():
             rejected.add_metric([model, "", reason], count)
         yield from (running, waiting, usage, gpu_usage, used, capacity, cached, queries, hits,
-                    hit_seqs, success, rejected)
+                    hit_seqs, success, rejected, up, restarts)
         if d.plan is not None:
             budget = GaugeMetricFamily("laya:memory_budget_bytes", "The memory budget in force.")
             budget.add_metric([], d.plan.budget.bytes)

@@ -117,7 +117,7 @@ def test_a_stream_the_client_left_is_logged_as_disconnected(server: ServerProces
 
 
 @pytest.mark.parametrize(("method", "path", "headers", "body", "status"), [
-    ("POST", "/v1/embeddings", AUTH, {}, "404"),
+    ("POST", "/v1/images/generations", AUTH, {}, "404"),  # a route Laya does not serve
     ("GET", "/v1/models", {}, None, "401"),
     ("POST", "/tokenize", AUTH, {"model": "gpt-9", "prompt": "x"}, "404"),
     ("POST", "/detokenize", AUTH, {"model": "smollm2", "tokens": "x"}, "400"),

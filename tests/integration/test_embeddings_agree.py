@@ -53,7 +53,8 @@ def vectors(backend: Backend) -> np.ndarray:
 def config(backend: str, **options: object) -> ModelConfig:
     return ModelConfig(name="smollm2", backend=backend,
                        path=embedded_file("smollm2-135m-instruct"), max_seq_len=512,
-                       max_num_seqs=2, max_step_tokens=64, options={"n_threads": 1, **options})
+                       max_num_seqs=2, max_step_tokens=64, embeddings=True,
+                       options={"n_threads": 1, **options})
 
 
 @pytest.fixture(scope="module")

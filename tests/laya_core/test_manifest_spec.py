@@ -37,6 +37,7 @@ def section(title: str) -> set[str]:
     ("`[server]`", mf.SERVER_KEYS),
     ("`[memory]`", mf.MEMORY_KEYS),
     ("`[router]`", mf.ROUTER_KEYS),
+    ("`[cluster]`", mf.CLUSTER_KEYS),
     ("`[[models]]`", mf.MODEL_KEYS),
 ])
 def test_every_table_key_is_documented_and_only_those(title: str, keys: tuple[str, ...]) -> None:
@@ -79,6 +80,7 @@ def test_the_manifest_with_every_key_holds_every_key_and_passes_check(
     assert set(data["server"]) == set(mf.SERVER_KEYS)
     assert set(data["memory"]) == set(mf.MEMORY_KEYS)
     assert set(data["router"]) == set(mf.ROUTER_KEYS)
+    assert set(data["cluster"]) == set(mf.CLUSTER_KEYS)
     (model,) = data["models"]
     assert set(model) == set(mf.MODEL_KEYS)
     folder = tmp_path / "deploy"

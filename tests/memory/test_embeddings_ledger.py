@@ -4,6 +4,7 @@ backend allocates for them."""
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 import sys
 from collections.abc import Iterator
 
@@ -25,7 +26,7 @@ MIB = 2**20
 def config(backend: str) -> ModelConfig:
     return sizes_for(ModelConfig(name="smollm2", backend=backend,
                                  path=embedded_file("smollm2-135m-instruct"),
-                                 max_seq_len=1024, max_num_seqs=2,
+                                 max_seq_len=1024, max_num_seqs=2, embeddings=True,
                                  options={"n_threads": 1}), 8192)
 
 
@@ -49,11 +50,16 @@ def torch_threads() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def test_laya_plan_shows_the_line() -> None:
-    out = subprocess.run([sys.executable, "-m", "laya_core.cli", "plan",
-                          "embedded:smollm2-135m-instruct"], capture_output=True, text=True,
-                         check=True).stdout
-    assert "  embeddings " in out, out
+def test_laya_plan_shows_the_line_only_where_embeddings_are_on(tmp_path: Path) -> None:
+    def plan(extra: str) -> str:
+        manifest = tmp_path / "laya.toml"
+        manifest.write_text('[[models]]\nname = "smol"\npath = "embedded:smollm2-135m-instruct"'
+                            f"\n{extra}")
+        return subprocess.run([sys.executable, "-m", "laya_core.cli", "plan", str(manifest)],
+                              capture_output=True, text=True, check=True).stdout
+
+    assert "  embeddings " in plan("embeddings = true\n")
+    assert "  embeddings " not in plan("")  # generation alone pays nothing for them
 
 
 def test_llamacpp_embedding_context_is_what_the_line_says() -> None:

@@ -125,7 +125,7 @@ def memory_profile(config: ModelConfig, shape: ModelShape) -> MemoryProfile:
                      f"{saved} tokens of evicted streams' KV kept "
                      f"in host memory (saved_kv_tokens) x (KV per token + "
                      f"{SAVED_CELL_BYTES} B)"),
-            _embeddings(config, shape, per_token),
+            *([_embeddings(config, shape, per_token)] if config.embeddings else []),
             Overhead("vocabulary", shape.vocab_size * _VOCAB_BYTES_PER_TOKEN,
                      f"{_VOCAB_BYTES_PER_TOKEN} B per token (measured: about 20 MiB for "
                      "49,152 tokens)"),

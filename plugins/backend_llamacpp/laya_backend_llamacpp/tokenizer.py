@@ -79,3 +79,43 @@ class LlamaTokenizer(Tokenizer):
     def close(self) -> None:
         """Wait for calls under way and refuse new ones; then the model may be freed."""
         self._guard.close()
+
+
+def token_text(ll: Any, vocab: Any, token: int) -> str:
+    """A token's text as the vocabulary stores it ("" for none, or a negative id)."""
+    if token < 0:
+        return ""
+    text = ll.llama_vocab_get_text(vocab, token)
+    return text.decode("utf-8", "replace") if text else ""
+
+
+def special_texts(ll: Any, vocab: Any, n_vocab: int) -> frozenset[str]:
+    """The texts llama.cpp's tokenizer matches as special tokens when parsing specials:
+    control, user-defined and unknown tokens (llama-vocab.cpp's special-token cache)."""
+    kinds = ll.LLAMA_TOKEN_ATTR_CONTROL | ll.LLAMA_TOKEN_ATTR_USER_DEFINED \
+        | ll.LLAMA_TOKEN_ATTR_UNKNOWN
+    texts = (token_text(ll, vocab, t) for t in range(n_vocab)
+             if ll.llama_vocab_get_attr(vocab, t) & kinds)
+    return frozenset(t for t in texts if t)
+
+
+class VocabularyTokenizer(LlamaTokenizer):
+    """A tokenizer that owns a model loaded with ``vocab_only``: the vocabulary and none of
+    the weights (for a front end whose replica runs in a worker process)."""
+
+    def __init__(self, ll: Any, path: str) -> None:
+        params = ll.llama_model_default_params()
+        params.vocab_only = True
+        model = ll.llama_model_load_from_file(path.encode(), params)
+        if not model:
+            raise RuntimeError(f"llama.cpp could not read the vocabulary of {path}")
+        self._model = model
+        vocab = ll.llama_model_get_vocab(model)
+        n_vocab = ll.llama_vocab_n_tokens(vocab)
+        super().__init__(ll, vocab, n_vocab, special_texts(ll, vocab, n_vocab))
+
+    def close(self) -> None:
+        super().close()
+        if self._model is not None:
+            self._ll.llama_model_free(self._model)
+            self._model = None

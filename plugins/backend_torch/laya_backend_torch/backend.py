@@ -127,6 +127,8 @@ class TorchBackend(Backend):
                                 getattr(self._torch, kv_dtype))
         # The embedding scratch: one input's KV of its own, so an embedding never takes
         # blocks from the KV manager or writes a running sequence's (memory.py, embeddings).
+        if not self.config.embeddings:
+            return
         pool = self._model.kv_pool
         cells = memory.embed_cells(self.config)
         self._embed_pool = self._torch.zeros((pool.shape[0], cells, *pool.shape[2:]),
@@ -152,6 +154,13 @@ class TorchBackend(Backend):
                 hidden = self._model.forward(batch, kv_pool=self._embed_pool, hidden=True)
                 pooled += hidden.double().sum(dim=0).cpu()
         return (pooled / n if self.pooling == "mean" else pooled).numpy()
+
+    def load_tokenizer(self) -> Any:
+        """The tokenizer alone (the file's vocabulary; no torch import), for a front end
+        whose replica runs in a worker process."""
+        from laya_backend_torch.tokenizer import load_tokenizer
+
+        return load_tokenizer(self.config.path)
 
     def tokenizer(self) -> Any:
         if self._tokenizer is None:

@@ -207,9 +207,9 @@ def memory_profile(config: ModelConfig, shape: ModelShape) -> MemoryProfile:
                  f"+ {scored} scored rows x {SCORED_ROW_BYTES} B (logits, log-softmax))"),
         # Allocated (zeroed) with the pool; an embedding's passes are no larger than a
         # step's, and run between steps, so their activations are the step's line.
-        Overhead("embeddings", embed_cells(config) * kv_per_token,
-                 f"the embedding scratch: KV of one input of {embed_cells(config)} tokens "
-                 "(max_seq_len), in the pool's dtype"),
+        *([Overhead("embeddings", embed_cells(config) * kv_per_token,
+                    f"the embedding scratch: KV of one input of {embed_cells(config)} tokens "
+                    "(max_seq_len), in the pool's dtype")] if config.embeddings else []),
         # One libtorch per process: replicas in one process share it, and the plan
         # counts it once; each replica's engine thread has its own OpenMP threads.
         Overhead("torch runtime", runtime,

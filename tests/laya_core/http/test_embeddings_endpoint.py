@@ -43,7 +43,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     model = {"path": str(weights), "max_seq_len": 64, "max_num_seqs": 2,
              "options": {"step_delay_s": 0.002}}
     manifest = mf.resolve(mf.from_dict({"models": [
-        {"name": "toy", "backend": "toy", **model},
+        {"name": "toy", "backend": "toy", "embeddings": True, **model},
         {"name": "plain", "backend": "plain-toy", **model}]}), registry)
     d = Deployment(manifest, registry)
     d.start()

@@ -1,0 +1,257 @@
+"""A replica in a process of its own: the child side, and the messages both sides send.
+
+``python -m laya_core.worker FD`` runs one replica's engine. The front end (the HTTP
+server's process, :mod:`laya_core.worker_client`) talks to it over a socket pair with
+:mod:`multiprocessing.connection` (length-prefixed pickles of the plain frozen types that
+already cross the engine's thread boundary). A native crash in the backend ends this
+process, not the server.
+
+Front end to worker:
+
+- ``("init", ModelConfig, replica_id, plugin_specs)``, first and once;
+- ``("submit", rid, prompt_token_ids, SamplingParams, ConstraintSpec | None)``;
+- ``("cancel", rid)``, ``("embed", rid, inputs)``, ``("stop",)``.
+
+Worker to front end:
+
+- ``("loaded", Loaded)`` or ``("failed", why)`` once the load ended;
+- ``("ack", rid)`` or ``("refused", rid, kind, message, param)`` for each submit, before
+  any event of that request;
+- ``("events", [(rid, TokenEvent), ...], ReplicaState)``: one message per engine step
+  with every request's events of that step (the engine hands a step's events to the loop
+  in one callback, and the flush runs after it), not a message per token per request;
+- ``("embedded", rid, Embeddings | None, kind, message)``;
+- ``("state", ReplicaState)`` every :data:`STATE_EVERY_S` while nothing else is sent.
+
+The constraint of a submit is compiled here, on a worker thread of this process, never on
+the engine thread. When the front end goes away (its end of the socket closes) the worker
+stops its engine and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import attrs
+
+from laya_core.backend import ModelConfig, ModelInfo
+from laya_core.client import LocalEngineClient, ReplicaState
+from laya_core.engine import (
+    Engine,
+    EngineState,
+    EngineUnavailableError,
+    QueueFullError,
+    RequestTooLongError,
+)
+from laya_core.structured.spec import GrammarError
+from laya_core.types import TokenEvent
+
+STATE_EVERY_S = 0.25
+log = logging.getLogger("laya.worker")
+
+
+@attrs.frozen
+class Loaded:
+    """What the front end learns of a replica once it has loaded."""
+
+    backend_name: str
+    max_seq_len: int
+    max_queue: int
+    supports_prompt_logprobs: bool
+    supports_embeddings: bool
+    backend_embeds: bool
+    model_info: ModelInfo
+    runtime: dict[str, Any]
+    state: ReplicaState
+    pid: int
+
+
+def import_plugins(specs: list[str]) -> list[object]:
+    """``module:attribute`` plugin objects to register beside the installed ones."""
+    out = []
+    for spec in specs:
+        module, _, attr = spec.partition(":")
+        out.append(getattr(importlib.import_module(module), attr))
+    return out
+
+
+class _Forward:
+    """One request's sink: its events join the step's message (see the module docstring)."""
+
+    def __init__(self, worker: _Worker, rid: int) -> None:
+        self._worker = worker
+        self._rid = rid
+
+    def put_nowait(self, event: TokenEvent) -> None:
+        self._worker.outgoing(self._rid, event)
+
+
+class _Worker:
+    def __init__(self, conn: Connection, engine: Engine) -> None:
+        self.conn = conn
+        self.engine = engine
+        self.client = LocalEngineClient(engine)  # its state() and grammars()
+        self.loop = asyncio.get_running_loop()
+        self.streams: dict[int, Any] = {}
+        self._cancelled: set[int] = set()  # cancels that came before their submit ran
+        self._outbox: list[tuple[int, TokenEvent]] = []
+        self._flush_due = False
+        self._last_sent = time.monotonic()
+        self._send_lock = threading.Lock()
+        self.done = asyncio.Event()
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        try:
+            with self._send_lock:
+                self.conn.send(message)
+        except OSError:  # the front end went away; the reader ends the worker
+            self.done.set()
+        self._last_sent = time.monotonic()
+
+    def outgoing(self, rid: int, event: TokenEvent) -> None:
+        self._outbox.append((rid, event))
+        if event.finish_reason is not None:
+            self.streams.pop(rid, None)
+        if not self._flush_due:
+            self._flush_due = True
+            self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_due = False
+        events, self._outbox = self._outbox, []
+        self.send(("events", events, self.client.state()))
+
+    def read(self) -> None:
+        """The socket's reader, on a thread of its own: messages go to the loop."""
+        try:
+            while True:
+                message = self.conn.recv()
+                self.loop.call_soon_threadsafe(self.handle, message)
+                if message[0] == "stop":
+                    return
+        except (EOFError, OSError):  # the front end went away
+            self.loop.call_soon_threadsafe(self.done.set)
+
+    def handle(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "submit":
+            asyncio.ensure_future(self._submit(*message[1:]))
+        elif kind == "cancel":
+            stream = self.streams.get(message[1])
+            if stream is not None:
+                stream.cancel()
+            else:
+                self._cancelled.add(message[1])
+        elif kind == "embed":
+            asyncio.ensure_future(self._embed(*message[1:]))
+        elif kind == "stop":
+            self.done.set()
+
+    async def _submit(self, rid: int, prompt: list[int], params: Any, spec: Any) -> None:
+        try:
+            matcher = None
+            if spec is not None:
+                matcher = await asyncio.to_thread(self.client.grammars().constraint, spec)
+            stream = self.engine.submit(prompt, params, constraint=matcher,
+                                        sink=_Forward(self, rid))
+        except GrammarError as e:
+            self.send(("refused", rid, "grammar", str(e), e.param))
+            return
+        except RequestTooLongError as e:
+            self.send(("refused", rid, "too_long", str(e), None))
+            return
+        except QueueFullError as e:
+            self.send(("refused", rid, "queue_full", str(e), None))
+            return
+        except EngineUnavailableError as e:
+            self.send(("refused", rid, "unavailable", str(e), None))
+            return
+        except ValueError as e:
+            self.send(("refused", rid, "value", str(e), None))
+            return
+        self.send(("ack", rid))
+        if rid in self._cancelled:
+            self._cancelled.discard(rid)
+            stream.cancel()
+        else:  # no event can have come yet: they reach this loop after this callback
+            self.streams[rid] = stream
+
+    async def _embed(self, rid: int, inputs: list[list[int]]) -> None:
+        try:
+            result = await self.engine.embed(inputs)
+        except Exception as e:  # noqa: BLE001 - the front end raises the matching error
+            self.send(("embedded", rid, None, type(e).__name__, str(e)))
+            return
+        self.send(("embedded", rid, result, None, None))
+
+    async def heartbeat(self) -> None:
+        while not self.done.is_set():
+            await asyncio.sleep(STATE_EVERY_S)
+            if time.monotonic() - self._last_sent >= STATE_EVERY_S:
+                self.send(("state", self.client.state()))
+
+
+async def _serve(conn: Connection, engine: Engine) -> None:
+    worker = _Worker(conn, engine)
+    threading.Thread(target=worker.read, name="laya-worker-reader", daemon=True).start()
+    beat = asyncio.ensure_future(worker.heartbeat())
+    await worker.done.wait()
+    beat.cancel()
+
+
+def _loaded(engine: Engine) -> Loaded:
+    assert engine.info is not None
+    return Loaded(
+        backend_name=engine.backend.name, max_seq_len=engine.max_seq_len,
+        max_queue=engine.config.max_queue,
+        supports_prompt_logprobs=engine.backend.supports_prompt_logprobs,
+        supports_embeddings=engine.backend.supports_embeddings and engine.config.embeddings,
+        backend_embeds=engine.backend.supports_embeddings,
+        model_info=engine.info,
+        runtime=engine.runtime(), state=LocalEngineClient(engine).state(), pid=os.getpid())
+
+
+def main(fd: int) -> int:
+    from laya_core.logs import setup_logging
+    from laya_core.plugins import load_registry
+
+    setup_logging()
+    # The front end decides when this replica stops (it drains its requests first); a
+    # terminal's Ctrl-C or a service manager's SIGTERM reaches the whole process group.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    conn = Connection(fd)
+    _, config, replica_id, plugins = conn.recv()
+    assert isinstance(config, ModelConfig)
+    registry = load_registry(import_plugins(plugins))
+    engine = Engine(config, registry.backends[config.backend].obj(config),
+                    registry.schedulers[config.scheduler].obj,
+                    registry.cache_policy_for(config.backend, config.cache_policy),
+                    replica_id=replica_id)
+    engine.start()
+    if not engine.wait_ready():
+        conn.send(("failed", engine.error or engine.state.value))
+        return 1
+    conn.send(("loaded", _loaded(engine)))
+    try:
+        asyncio.run(_serve(conn, engine))
+    finally:
+        engine.stop()
+    return 0 if engine.state is not EngineState.FAILED else 1
+
+
+if __name__ == "__main__":
+    # Run the imported module's main, not this __main__ copy's: the classes pickled to the
+    # front end (Loaded) must be laya_core.worker's.
+    from laya_core import worker
+
+    sys.exit(worker.main(int(sys.argv[1])))
