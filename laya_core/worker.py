@@ -26,6 +26,9 @@ Worker to front end:
 The constraint of a submit is compiled here, on a worker thread of this process, never on
 the engine thread. When the front end goes away (its end of the socket closes) the worker
 stops its engine and exits.
+
+The same messages, minus the socket, make a Ray actor (:mod:`laya_core.ray_actor`):
+:func:`build_engine` and :func:`serve_engine` are shared with it.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -96,8 +100,11 @@ class _Forward:
 
 
 class _Worker:
-    def __init__(self, conn: Connection, engine: Engine) -> None:
-        self.conn = conn
+    """One replica's side of the protocol; ``send`` carries a message to the front end
+    (raising OSError once it has gone away)."""
+
+    def __init__(self, send: Callable[[tuple[Any, ...]], None], engine: Engine) -> None:
+        self._transport = send
         self.engine = engine
         self.client = LocalEngineClient(engine)  # its state() and grammars()
         self.loop = asyncio.get_running_loop()
@@ -112,7 +119,7 @@ class _Worker:
     def send(self, message: tuple[Any, ...]) -> None:
         try:
             with self._send_lock:
-                self.conn.send(message)
+                self._transport(message)
         except OSError:  # the front end went away; the reader ends the worker
             self.done.set()
         self._last_sent = time.monotonic()
@@ -129,17 +136,6 @@ class _Worker:
         self._flush_due = False
         events, self._outbox = self._outbox, []
         self.send(("events", events, self.client.state()))
-
-    def read(self) -> None:
-        """The socket's reader, on a thread of its own: messages go to the loop."""
-        try:
-            while True:
-                message = self.conn.recv()
-                self.loop.call_soon_threadsafe(self.handle, message)
-                if message[0] == "stop":
-                    return
-        except (EOFError, OSError):  # the front end went away
-            self.loop.call_soon_threadsafe(self.done.set)
 
     def handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
@@ -200,15 +196,42 @@ class _Worker:
                 self.send(("state", self.client.state()))
 
 
-async def _serve(conn: Connection, engine: Engine) -> None:
-    worker = _Worker(conn, engine)
-    threading.Thread(target=worker.read, name="laya-worker-reader", daemon=True).start()
+def _read(conn: Connection, worker: _Worker) -> None:
+    """The socket's reader, on a thread of its own: messages go to the loop."""
+    try:
+        while True:
+            message = conn.recv()
+            worker.loop.call_soon_threadsafe(worker.handle, message)
+            if message[0] == "stop":
+                return
+    except (EOFError, OSError):  # the front end went away
+        worker.loop.call_soon_threadsafe(worker.done.set)
+
+
+async def serve_engine(engine: Engine, send: Callable[[tuple[Any, ...]], None],
+                       started: Callable[[_Worker], None]) -> None:
+    """Serve a loaded engine's protocol until the front end stops it or goes away;
+    ``started`` gets the worker once it exists, to feed it the front end's messages
+    (``worker.handle`` on ``worker.loop``)."""
+    worker = _Worker(send, engine)
+    started(worker)
     beat = asyncio.ensure_future(worker.heartbeat())
     await worker.done.wait()
     beat.cancel()
 
 
-def _loaded(engine: Engine) -> Loaded:
+def build_engine(config: ModelConfig, replica_id: int, plugins: list[str]) -> Engine:
+    """The replica's engine, from the installed plugins and ``plugins`` (not started)."""
+    from laya_core.plugins import load_registry
+
+    registry = load_registry(import_plugins(plugins))
+    return Engine(config, registry.backends[config.backend].obj(config),
+                  registry.schedulers[config.scheduler].obj,
+                  registry.cache_policy_for(config.backend, config.cache_policy),
+                  replica_id=replica_id)
+
+
+def loaded_of(engine: Engine) -> Loaded:
     assert engine.info is not None
     return Loaded(
         backend_name=engine.backend.name, max_seq_len=engine.max_seq_len,
@@ -222,7 +245,6 @@ def _loaded(engine: Engine) -> Loaded:
 
 def main(fd: int) -> int:
     from laya_core.logs import setup_logging
-    from laya_core.plugins import load_registry
 
     setup_logging()
     # The front end decides when this replica stops (it drains its requests first); a
@@ -232,18 +254,19 @@ def main(fd: int) -> int:
     conn = Connection(fd)
     _, config, replica_id, plugins = conn.recv()
     assert isinstance(config, ModelConfig)
-    registry = load_registry(import_plugins(plugins))
-    engine = Engine(config, registry.backends[config.backend].obj(config),
-                    registry.schedulers[config.scheduler].obj,
-                    registry.cache_policy_for(config.backend, config.cache_policy),
-                    replica_id=replica_id)
+    engine = build_engine(config, replica_id, plugins)
     engine.start()
     if not engine.wait_ready():
         conn.send(("failed", engine.error or engine.state.value))
         return 1
-    conn.send(("loaded", _loaded(engine)))
+    conn.send(("loaded", loaded_of(engine)))
+
+    def started(worker: _Worker) -> None:
+        threading.Thread(target=_read, args=(conn, worker), name="laya-worker-reader",
+                         daemon=True).start()
+
     try:
-        asyncio.run(_serve(conn, engine))
+        asyncio.run(serve_engine(engine, conn.send, started))
     finally:
         engine.stop()
     return 0 if engine.state is not EngineState.FAILED else 1
