@@ -70,6 +70,13 @@ def cmd_plan(args: argparse.Namespace, registry: Registry) -> int:
         print(text, end="")
     else:
         print(planner.format_plan(plan))
+        if manifest.cluster.engine == "ray":  # only then is Ray imported
+            from laya_core import ray_placement
+
+            text, placed = ray_placement.report(plan, manifest.cluster.address)
+            print(text)
+            if not placed:
+                return EXIT_DOES_NOT_FIT
     return 0 if plan.fits else 1
 
 

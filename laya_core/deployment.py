@@ -22,6 +22,7 @@ from laya_core.router import Router
 from laya_core.structured.tools import ToolUse, prompt_messages
 from laya_core.template_sandbox import TemplateSandbox
 from laya_core.units import fmt_bytes
+from laya_core.remote_client import RemoteEngineClient
 from laya_core.worker_client import WorkerEngineClient
 
 # Conversations a model's chat template must render at load: the first it accepts passes.
@@ -71,14 +72,20 @@ class Deployment:
         self.router_name = router_name
         self.router: Router = registry.routers[router_name].obj()
         self.engines: list[Engine] = []  # the replicas on threads of this process
-        self.workers: list[WorkerEngineClient] = []  # the replicas in worker processes
+        self.workers: list[RemoteEngineClient] = []  # in worker processes or Ray actors
         # What the HTTP side uses, one per replica, by replica id (the router's choice).
         self.clients: list[EngineClient] = []
         self.models: dict[str, ModelConfig] = {}
         self.templates = TemplateSandbox()
         self.started_at: float | None = None  # time.monotonic() when the loads began
         engine_kind = manifest.cluster.engine
-        self.processes = engine_kind == "process" or (engine_kind == "auto" and processes)
+        self.processes = engine_kind in ("process", "ray") or (engine_kind == "auto"
+                                                                and processes)
+        if engine_kind == "ray":  # only then is Ray imported
+            from laya_core import ray_client
+
+            ray_client.connect(manifest.cluster.address)
+        planned = {r.replica: r.total_bytes for r in plan.replicas} if plan else {}
         for config in manifest.models:
             self.models[config.name] = config
             backend_cls = registry.backends[config.backend].obj
@@ -91,7 +98,13 @@ class Deployment:
             for _ in range(config.replicas):
                 replica = len(self.clients)
                 client: EngineClient
-                if in_worker:
+                if in_worker and engine_kind == "ray":
+                    client = ray_client.RayEngineClient(
+                        config, replica, backend_cls(config), worker_plugins,
+                        planned.get(replica), on_change=self._changed,
+                        on_loaded=self._worker_loaded)
+                    self.workers.append(client)
+                elif in_worker:
                     client = WorkerEngineClient(
                         config, replica, backend_cls(config), worker_plugins,
                         on_change=self._changed, on_loaded=self._worker_loaded)
@@ -134,7 +147,7 @@ class Deployment:
             worker.stop()
         self.templates.close()
 
-    def _changed(self, worker: WorkerEngineClient) -> None:
+    def _changed(self, worker: RemoteEngineClient) -> None:
         """A worker's state changed (on its supervisor's thread): the router routes only to
         replicas that are up."""
         up = worker.state().state is EngineState.READY
@@ -207,7 +220,7 @@ class Deployment:
         self._log_loaded(engine.config.name, engine.replica_id, engine.kv_capacity_tokens,
                          engine.runtime(), resident_bytes())
 
-    def _worker_loaded(self, worker: WorkerEngineClient) -> None:
+    def _worker_loaded(self, worker: RemoteEngineClient) -> None:
         """On the worker's supervisor thread, each time its process has loaded."""
         self._probe_template(worker.info().model_info)
         self._log_loaded(worker.model, worker.replica_id, worker.state().kv_capacity_tokens,

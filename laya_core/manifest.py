@@ -57,16 +57,19 @@ class RouterConfig:
     impl: str | None = None  # None: "cpp" when installed, else "python"
 
 
-ENGINE_KINDS = ("auto", "process", "thread")
+ENGINE_KINDS = ("auto", "process", "thread", "ray")
 
 
 @attrs.frozen
 class ClusterConfig:
     """Where replicas run: "process", a worker process each (``laya serve``'s default, as
     "auto" is there); "thread", threads of the server's own process (a backend crash takes
-    the server down); "auto", whatever the caller chose (laya_core/deployment.py)."""
+    the server down); "auto", whatever the caller chose (laya_core/deployment.py); "ray", a
+    Ray actor each, placed on a cluster's nodes by the memory plan (laya_core/ray_client.py).
+    ``address``: the Ray cluster to join (else RAY_ADDRESS, else a local one)."""
 
     engine: str = "auto"
+    address: str | None = None
 
 
 @attrs.frozen
@@ -83,7 +86,7 @@ class Manifest:
 
 MEMORY_KEYS = ("budget",)
 ROUTER_KEYS = ("impl",)
-CLUSTER_KEYS = ("engine",)
+CLUSTER_KEYS = ("engine", "address")
 TOP_KEYS = ("server", "memory", "router", "cluster", "models")
 
 
@@ -91,8 +94,10 @@ def _cluster(data: Any, problems: Problems) -> ClusterConfig:
     t = Table(data, "cluster", problems)
     engine = t.get("engine", str, "auto", check=lambda v: None if v in ENGINE_KINDS else
                    f"must be one of {', '.join(ENGINE_KINDS)}, got {v!r}")
+    address = t.get("address", str, None, check=lambda v: None if engine == "ray" else
+                    f'applies only with engine = "ray" (engine is "{engine}")')
     t.finish(CLUSTER_KEYS)
-    return ClusterConfig(engine)
+    return ClusterConfig(engine, address)
 
 
 def _memory(data: Any, problems: Problems) -> MemoryConfig:

@@ -85,10 +85,11 @@ def _plan_for(configs: list[tuple[ModelConfig, ModelShape, type[Backend]]],
 
 
 def uses_processes(manifest: Manifest, serving: bool) -> bool:
-    """Whether the manifest's replicas run in worker processes: ``[cluster] engine``, and
-    for "auto" whether ``laya serve`` runs it (``serving``) or code embeds it."""
+    """Whether the manifest's replicas run in processes of their own (worker processes or
+    Ray actors): ``[cluster] engine``, and for "auto" whether ``laya serve`` runs it
+    (``serving``) or code embeds it."""
     engine = manifest.cluster.engine
-    return engine == "process" or (engine == "auto" and serving)
+    return engine in ("process", "ray") or (engine == "auto" and serving)
 
 
 def make_plan(manifest: Manifest, registry: Registry, serving: bool = False) -> Plan:
