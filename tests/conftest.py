@@ -102,6 +102,11 @@ def serving(manifest_text: str, workdir: Path) -> Iterator[ServerProcess]:
 
 # The backends that serve the embedded model: every test of ``smollm_server`` runs on each.
 SMOLLM_BACKENDS = ("llamacpp", "torch")
+# What the front end alone decides (HTTP details, the access log, shutdown, the chat-template
+# sandbox, routing) is tested on one backend: the backend sits behind the same EngineClient,
+# in a worker process, whichever it is. What a backend decides is tested on each: the
+# conformance suite, the smollm_server battery, determinism, log-probabilities, metrics.
+FRONT_END_BACKENDS = ("llamacpp",)
 
 
 def smollm_manifest(backend: str) -> str:

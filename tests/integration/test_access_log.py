@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import SMOLLM_BACKENDS, ServerProcess, serving, smollm_manifest
+from conftest import FRONT_END_BACKENDS, ServerProcess, serving, smollm_manifest
 
 KEY = "sk-access-log-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -38,7 +38,7 @@ def logged(server: ServerProcess, path: str) -> list[dict[str, str]]:
     return [line for line in access_lines(server) if line["path"] == path]
 
 
-on_every_backend = pytest.mark.parametrize("server", SMOLLM_BACKENDS, indirect=True)
+on_one_backend = pytest.mark.parametrize("server", FRONT_END_BACKENDS, indirect=True)
 
 
 @pytest.fixture(scope="module", params=["llamacpp"])
@@ -63,7 +63,7 @@ def ms(value: str) -> float:
     return float(value)
 
 
-@on_every_backend
+@on_one_backend
 def test_a_completion_is_logged_once_with_its_tokens_and_times(server: ServerProcess) -> None:
     r = httpx.post(f"{server.url}/v1/completions", headers=AUTH, timeout=60, json={
         "model": "smollm2", "prompt": "1, 2, 3,", "max_tokens": 5, "temperature": 0})
@@ -80,7 +80,7 @@ def test_a_completion_is_logged_once_with_its_tokens_and_times(server: ServerPro
     assert ms(line["total_ms"]) >= ms(line["prefill_ms"]) + ms(line["decode_ms"])
 
 
-@on_every_backend
+@on_one_backend
 def test_a_stream_is_logged_once_when_it_ends(server: ServerProcess) -> None:
     body = {"model": "smollm2", "messages": [{"role": "user", "content": "Say hello."}],
             "max_tokens": 8, "temperature": 0, "stream": True,
@@ -98,7 +98,7 @@ def test_a_stream_is_logged_once_when_it_ends(server: ServerProcess) -> None:
     assert ms(line["decode_ms"]) > 0 and "disconnected" not in line
 
 
-@on_every_backend
+@on_one_backend
 def test_a_stream_the_client_left_is_logged_as_disconnected(server: ServerProcess) -> None:
     before = len(logged(server, "/v1/completions"))
     body = {"model": "smollm2", "prompt": "Tell a long story.", "max_tokens": 400,
@@ -149,7 +149,7 @@ def test_a_refused_completion_is_logged_with_its_status(server: ServerProcess) -
     assert lines[-1]["status"] == "400" and "completion_tokens" not in lines[-1]
 
 
-@pytest.mark.parametrize("backend", SMOLLM_BACKENDS)
+@pytest.mark.parametrize("backend", FRONT_END_BACKENDS)
 def test_no_access_log_when_switched_off(tmp_path: Path, backend: str) -> None:
     manifest = smollm_manifest(backend).replace("[server]\n", "[server]\naccess_log = false\n")
     with serving(manifest, tmp_path) as server:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import SMOLLM_BACKENDS, ServerProcess, free_port
+from conftest import FRONT_END_BACKENDS, ServerProcess, free_port
 from hostile_gguf import embedded, with_metadata
 
 LOOP_FOREVER = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
@@ -48,7 +48,7 @@ def manifest(backend: str, *models: tuple[str, Path | str]) -> str:
     return body
 
 
-@pytest.mark.parametrize("backend", SMOLLM_BACKENDS)
+@pytest.mark.parametrize("backend", FRONT_END_BACKENDS)
 def test_a_template_that_never_finishes_is_refused_at_load(tmp_path: Path,
                                                            backend: str) -> None:
     path = model_with_template(tmp_path, "loop", LOOP_FOREVER)
@@ -65,7 +65,7 @@ def test_a_template_that_never_finishes_is_refused_at_load(tmp_path: Path,
     assert time.monotonic() - started < 60
 
 
-@pytest.fixture(scope="module", params=SMOLLM_BACKENDS)
+@pytest.fixture(scope="module", params=FRONT_END_BACKENDS)
 def two_models(request: pytest.FixtureRequest,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """A server of a well-behaved model, one whose template loops on "boom", and one whose

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import SMOLLM_BACKENDS, ServerProcess
+from conftest import FRONT_END_BACKENDS, ServerProcess
 
 from laya_core.http.errors import error_type
 
@@ -80,8 +80,8 @@ def _ready(server: ServerProcess) -> bool:
 
 
 # The fixtures serve llama.cpp unless a test asks for every backend with this.
-def on_every_backend(fixture: str) -> pytest.MarkDecorator:
-    return pytest.mark.parametrize(fixture, SMOLLM_BACKENDS, indirect=True)
+def on_one_backend(fixture: str) -> pytest.MarkDecorator:
+    return pytest.mark.parametrize(fixture, FRONT_END_BACKENDS, indirect=True)
 
 
 @pytest.fixture(scope="module", params=["llamacpp"])
@@ -175,7 +175,7 @@ def test_the_openai_client_sees_the_405_and_404_objects(plain: ServerProcess) ->
         assert nf.value.type == "invalid_request_error" and nf.value.code == "model_not_found"
 
 
-@on_every_backend("plain")
+@on_one_backend("plain")
 def test_without_cors_no_cors_headers_and_metrics_need_the_key(plain: ServerProcess) -> None:
     r = httpx.options(f"{plain.url}/v1/chat/completions", headers={
         "Origin": ORIGIN, "Access-Control-Request-Method": "POST"})
@@ -216,7 +216,7 @@ def exposed(r: httpx.Response) -> set[str]:
     return {h.strip().lower() for h in r.headers["access-control-expose-headers"].split(",")}
 
 
-@on_every_backend("browser")
+@on_one_backend("browser")
 def test_cross_origin_responses_carry_cors_headers(browser: ServerProcess) -> None:
     headers = {**AUTH, "Origin": ORIGIN}
     r = httpx.post(f"{browser.url}/v1/chat/completions", headers=headers, json=CHAT,
@@ -263,7 +263,7 @@ def waiting_on_full(url: str) -> int:
     return sum(r["waiting"] for r in replicas if r["model"] == "full")
 
 
-@on_every_backend("browser")
+@on_one_backend("browser")
 def test_the_openai_client_from_an_origin(browser: ServerProcess) -> None:
     with openai.OpenAI(base_url=f"{browser.url}/v1", api_key=KEY, max_retries=0,
                        default_headers={"Origin": ORIGIN}) as client:
@@ -285,7 +285,7 @@ def test_metrics_open_when_the_manifest_says_so(browser: ServerProcess) -> None:
     assert httpx.get(f"{browser.url}/v1/models").status_code == 401
 
 
-@on_every_backend("browser")
+@on_one_backend("browser")
 def test_streams_carry_cors_headers(browser: ServerProcess) -> None:
     started = time.monotonic()
     with httpx.stream("POST", f"{browser.url}/v1/chat/completions",

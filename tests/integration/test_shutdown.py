@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import SMOLLM_BACKENDS, ServerProcess
+from conftest import FRONT_END_BACKENDS, ServerProcess
 
 MANIFEST = """
 [server]
@@ -61,7 +61,7 @@ def stream_in_background(url: str, max_tokens: int) -> tuple[threading.Thread, d
     return thread, result
 
 
-@pytest.mark.parametrize("backend", SMOLLM_BACKENDS)
+@pytest.mark.parametrize("backend", FRONT_END_BACKENDS)
 def test_sigterm_lets_a_stream_finish_and_refuses_new_connections(tmp_path: Path,
                                                                   backend: str) -> None:
     server = ServerProcess(MANIFEST % (30, backend), tmp_path)
@@ -81,7 +81,7 @@ def test_sigterm_lets_a_stream_finish_and_refuses_new_connections(tmp_path: Path
     assert code == 0, server.log()
 
 
-@pytest.mark.parametrize("backend", SMOLLM_BACKENDS)
+@pytest.mark.parametrize("backend", FRONT_END_BACKENDS)
 def test_sigterm_cancels_what_outlives_the_timeout(tmp_path: Path, backend: str) -> None:
     server = ServerProcess(MANIFEST % (1, backend), tmp_path)
     server.wait_ready()
