@@ -24,6 +24,7 @@ from laya_core.http.completions import CompletionHandlers
 from laya_core.http.cors import Cors, cors_options
 from laya_core.http.embeddings import EmbeddingHandler
 from laya_core.http.errors import APIError, http_exception_response, invalid
+from laya_core.http.live import OPEN_PATHS, LatencyWindow, live_routes
 from laya_core.http.metrics import metrics_registry
 from laya_core.http.observe import Observer
 from laya_core.http.requests import parse_tokenize
@@ -38,7 +39,8 @@ def create_app(deployment: Deployment) -> Starlette:
     server = deployment.manifest.server
     created = int(time.time())
     registry = metrics_registry(deployment)
-    handlers = CompletionHandlers(deployment, Observer(registry))
+    window = LatencyWindow()
+    handlers = CompletionHandlers(deployment, Observer(registry, window))
 
     def model_card(name: str) -> dict[str, Any]:
         clients = deployment.clients_of(name)
@@ -130,12 +132,14 @@ def create_app(deployment: Deployment) -> Starlette:
         Route("/v1/embeddings", EmbeddingHandler(deployment).handle, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
+        *live_routes(deployment, window),  # the live page and GET /live
     ]
     app = Starlette(routes=routes,
                     exception_handlers={APIError: api_error, HTTPException: http_error,
                                         TokenizerClosedError: unloaded, Exception: unexpected})
     if server.api_keys:
         open_paths = {"/health"} if server.metrics_need_api_key else {"/health", "/metrics"}
+        open_paths |= OPEN_PATHS  # the live page's files; its data (/live) needs a key
         app.add_middleware(ApiKeyMiddleware, keys=server.api_keys, open_paths=open_paths)
     if server.cors_origins:  # added last, so it wraps the key check (see laya_core/http/cors.py)
         app.add_middleware(Cors, **cors_options(server.cors_origins))

@@ -1,0 +1,161 @@
+"""The live page: ``GET /`` (``/dashboard``) and its data, ``GET /live``.
+
+The page is plain HTML, JS and CSS shipped in this package (``static/``): no build step and
+nothing fetched from elsewhere. It polls ``/live`` (one JSON snapshot, spec/openapi.yaml's
+``LiveSnapshot``) twice a second. Polling rather than a server-sent stream: each poll is a
+short request like any other, so an open page holds no task, queue or connection on the
+server between polls, and a closed one leaves nothing behind. The page loads without an API
+key; ``/live`` needs one like every data endpoint, and the page asks for it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from importlib import resources
+from typing import Any
+
+import attrs
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from laya_core.deployment import Deployment
+from laya_core.kv_manager import BLOCK_SIZE
+from laya_core.logs import resident_bytes
+from laya_core.memory_plan import ReplicaLedger
+from laya_core.types import Timing
+
+# The page's own files: what the API-key check lets through (they hold no data or key).
+ASSETS = {"/": ("dashboard.html", "text/html; charset=utf-8"),
+          "/dashboard": ("dashboard.html", "text/html; charset=utf-8"),
+          "/dashboard/app.js": ("app.js", "text/javascript; charset=utf-8"),
+          "/dashboard/app.css": ("app.css", "text/css; charset=utf-8")}
+OPEN_PATHS = frozenset(ASSETS)
+POLL_INTERVAL_MS = 500  # what the page waits between two polls
+WINDOW_S = 60.0  # latency percentiles cover the sequences finished this recently
+MAX_SAMPLES = 2048  # per model, so a burst of short requests cannot grow the window
+RATE_S = 10.0  # tokens/s: tokens of the sequences finished in the last 10 s, over 10 s
+LAYERS = ("route", "queue", "prefill", "decode")
+
+
+@attrs.frozen
+class _Sample:
+    at: float  # time.monotonic() when the sequence finished
+    seconds: tuple[float, float, float, float]  # route, queue, prefill, decode
+    num_generated: int
+
+
+class LatencyWindow:
+    """Each model's recently finished sequences, for the page's p50/p99 and tokens/s.
+
+    The event loop adds one sample per complete sequence (laya_core/http/observe.py) and
+    reads summaries; both run on the loop, so no lock. Bounded by time and count.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._samples: dict[str, deque[_Sample]] = {}
+
+    def add(self, model: str, route_s: float, timing: Timing, num_generated: int) -> None:
+        samples = self._samples.setdefault(model, deque(maxlen=MAX_SAMPLES))
+        samples.append(_Sample(self._clock(), (route_s, timing.queue_s, timing.prefill_s,
+                                               timing.decode_s), num_generated))
+
+    def summary(self, model: str) -> dict[str, Any]:
+        now = self._clock()
+        samples = self._samples.get(model, deque())
+        while samples and samples[0].at < now - WINDOW_S:
+            samples.popleft()
+        out: dict[str, Any] = {"window_s": WINDOW_S, "sequences": len(samples)}
+        for i, layer in enumerate(LAYERS):
+            ms = sorted(s.seconds[i] * 1000 for s in samples)
+            out[f"{layer}_ms"] = {"p50": _percentile(ms, 0.50), "p99": _percentile(ms, 0.99)}
+        recent = sum(s.num_generated for s in samples if s.at >= now - RATE_S)
+        out["tokens_per_s"] = recent / RATE_S
+        return out
+
+
+def _percentile(ordered: list[float], q: float) -> float | None:
+    """The nearest-rank percentile of a sorted list; None when it is empty."""
+    if not ordered:
+        return None
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def _blocks(tokens: int) -> int:
+    return -(-tokens // BLOCK_SIZE)
+
+
+def _ledger(ledger: ReplicaLedger | None) -> dict[str, Any] | None:
+    if ledger is None:
+        return None
+    return {"weights_bytes": ledger.profile.weights_bytes,
+            "kv_pool_bytes": ledger.kv_pool_bytes, "overhead_bytes": ledger.overhead_bytes,
+            "overheads": [{"name": o.name, "bytes": o.bytes}
+                          for o in ledger.profile.overheads],
+            "total_bytes": ledger.total_bytes}
+
+
+def snapshot(d: Deployment, window: LatencyWindow) -> dict[str, Any]:
+    """What the page shows, now: per model and replica the ledger, measured RSS, KV blocks,
+    prefix-cache hits, queues and rejections; per model the latency window."""
+    ledgers = {r.replica: r for r in d.plan.replicas} if d.plan else {}
+    models: dict[str, dict[str, Any]] = {
+        name: {"name": name, "replicas": [], "rejections": {}, "latency": window.summary(name)}
+        for name in d.models}
+    for client in d.clients:
+        s = client.state()
+        model = models[s.model]
+        # A worker process's RSS is its own; a replica on a thread of the front end has
+        # none of its own (the front end's, under "memory", holds it).
+        rss = getattr(client, "resident_bytes", None)
+        total, used, cached = (_blocks(s.kv_capacity_tokens), _blocks(s.kv_used_tokens),
+                               _blocks(s.kv_cached_tokens))
+        model["replicas"].append({
+            "replica": s.replica_id, "state": s.state.value, "error": s.error,
+            "process": "worker" if rss is not None else "front end",
+            "rss_bytes": rss() if rss is not None else None,
+            "ledger": _ledger(ledgers.get(s.replica_id)),
+            "kv": {"block_tokens": BLOCK_SIZE, "blocks_total": total, "blocks_used": used,
+                   "blocks_cached": cached, "blocks_free": max(0, total - used - cached),
+                   "capacity_tokens": s.kv_capacity_tokens, "used_tokens": s.kv_used_tokens,
+                   "cached_tokens": s.kv_cached_tokens},
+            "prefix_cache": {"hit_sequences": s.prefix_hits,
+                             "queried_tokens": s.prefix_queried_tokens,
+                             "hit_tokens": s.prefix_tokens_reused},
+            "running": s.num_running, "waiting": s.num_waiting,
+            "rejections": dict(s.rejections)})
+        for reason, count in s.rejections.items():
+            model["rejections"][reason] = model["rejections"].get(reason, 0) + count
+    for (name, reason), count in d.rejections.items():
+        if name in models:
+            models[name]["rejections"][reason] = models[name]["rejections"].get(reason, 0) + count
+    memory = None
+    if d.plan is not None:
+        memory = {"budget_bytes": d.plan.budget.bytes, "budget_source": d.plan.budget.source,
+                  "planned_bytes": d.plan.total_bytes, "runtime_bytes": d.plan.runtime_bytes}
+    return {"time": time.time(), "poll_interval_ms": POLL_INTERVAL_MS, "ready": d.ready,
+            "front_end_rss_bytes": resident_bytes(), "memory": memory,
+            "models": list(models.values())}
+
+
+def _asset(name: str) -> bytes:
+    return (resources.files("laya_core.http") / "static" / name).read_bytes()
+
+
+def live_routes(deployment: Deployment, window: LatencyWindow) -> list[Route]:
+    """The page's files and ``GET /live``."""
+    files = {path: (_asset(name), media) for path, (name, media) in ASSETS.items()}
+
+    async def page(request: Request) -> Response:
+        body, media = files[request.url.path]
+        return Response(body, media_type=media, headers={"Cache-Control": "no-cache"})
+
+    async def live(request: Request) -> Response:
+        return JSONResponse(snapshot(deployment, window),
+                            headers={"Cache-Control": "no-store"})
+
+    return [*(Route(path, page) for path in ASSETS), Route("/live", live)]
