@@ -76,6 +76,8 @@ class ReplicaState:
     prefix_hits: int  # sequences that reused cached KV
     finished: Mapping[FinishReason, int]  # sequences ended, by reason
     rejections: Mapping[str, int]  # requests refused, by reason
+    # Tokens sampled since the replica (its worker, after a restart) started.
+    generated_tokens: int = 0
 
     @property
     def ready(self) -> bool:
@@ -158,6 +160,7 @@ class LocalEngineClient(EngineClient):
             kv_cached_tokens=e.kv_cached_tokens,
             prefix_queried_tokens=e.prefix_queried_tokens,
             prefix_tokens_reused=e.prefix_tokens_reused, prefix_hits=e.prefix_hits,
+            generated_tokens=e.generated_tokens,
             finished=dict(e.finished), rejections=dict(e.rejections))
 
     def info(self) -> ReplicaInfo:

@@ -102,6 +102,7 @@ class Engine:
         self.prefix_queried_tokens = 0
         self.prefix_tokens_reused = 0
         self.prefix_hits = 0
+        self.generated_tokens = 0  # tokens sampled for all sequences, for a live tokens/s
         # Sequences ended, by reason (refused ones are in ``rejections``); written by the
         # engine thread only.
         self.finished: dict[FinishReason, int] = dict.fromkeys(_COUNTED_FINISHES, 0)
@@ -477,6 +478,7 @@ class Engine:
 
     def _on_token(self, live: Live, sample: Sample) -> None:
         assert self.info is not None
+        self.generated_tokens += 1
         out = live.add_token(sample, self.info.eog_token_ids, self.max_seq_len)
         token = (sample.token_id,)
         if out.finish is None:

@@ -37,7 +37,7 @@ OPEN_PATHS = frozenset(ASSETS)
 POLL_INTERVAL_MS = 500  # what the page waits between two polls
 WINDOW_S = 60.0  # latency percentiles cover the sequences finished this recently
 MAX_SAMPLES = 2048  # per model, so a burst of short requests cannot grow the window
-RATE_S = 10.0  # tokens/s: tokens of the sequences finished in the last 10 s, over 10 s
+RATE_S = 3.0  # tokens/s: the replicas' generated-token counters over the last 3 s of polls
 LAYERS = ("route", "queue", "prefill", "decode")
 
 
@@ -49,7 +49,8 @@ class _Sample:
 
 
 class LatencyWindow:
-    """Each model's recently finished sequences, for the page's p50/p99 and tokens/s.
+    """Each model's recently finished sequences, for the page's p50/p99, and its
+    generated-token count as each poll saw it, for a live tokens/s.
 
     The event loop adds one sample per complete sequence (laya_core/http/observe.py) and
     reads summaries; both run on the loop, so no lock. Bounded by time and count.
@@ -58,13 +59,28 @@ class LatencyWindow:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._samples: dict[str, deque[_Sample]] = {}
+        # (time, the model's generated tokens) per poll, over the last RATE_S.
+        self._counts: dict[str, deque[tuple[float, int]]] = {}
 
     def add(self, model: str, route_s: float, timing: Timing, num_generated: int) -> None:
         samples = self._samples.setdefault(model, deque(maxlen=MAX_SAMPLES))
         samples.append(_Sample(self._clock(), (route_s, timing.queue_s, timing.prefill_s,
                                                timing.decode_s), num_generated))
 
-    def summary(self, model: str) -> dict[str, Any]:
+    def tokens_per_s(self, model: str, generated: int) -> float:
+        """Tokens generated per second over the last :data:`RATE_S`, from the replicas'
+        counters (``generated``: their sum now), whether or not sequences finished."""
+        now = self._clock()
+        counts = self._counts.setdefault(model, deque(maxlen=MAX_SAMPLES))
+        if counts and generated < counts[-1][1]:  # a replica restarted: its count began anew
+            counts.clear()
+        counts.append((now, generated))
+        while len(counts) > 1 and counts[0][0] < now - RATE_S:
+            counts.popleft()
+        then, before = counts[0]
+        return (generated - before) / (now - then) if now > then else 0.0
+
+    def summary(self, model: str, generated: int = 0) -> dict[str, Any]:
         now = self._clock()
         samples = self._samples.get(model, deque())
         while samples and samples[0].at < now - WINDOW_S:
@@ -73,8 +89,7 @@ class LatencyWindow:
         for i, layer in enumerate(LAYERS):
             ms = sorted(s.seconds[i] * 1000 for s in samples)
             out[f"{layer}_ms"] = {"p50": _percentile(ms, 0.50), "p99": _percentile(ms, 0.99)}
-        recent = sum(s.num_generated for s in samples if s.at >= now - RATE_S)
-        out["tokens_per_s"] = recent / RATE_S
+        out["tokens_per_s"] = self.tokens_per_s(model, generated)
         return out
 
 
@@ -103,11 +118,14 @@ def snapshot(d: Deployment, window: LatencyWindow) -> dict[str, Any]:
     """What the page shows, now: per model and replica the ledger, measured RSS, KV blocks,
     prefix-cache hits, queues and rejections; per model the latency window."""
     ledgers = {r.replica: r for r in d.plan.replicas} if d.plan else {}
+    states = [client.state() for client in d.clients]
+    generated = {name: sum(s.generated_tokens for s in states if s.model == name)
+                 for name in d.models}
     models: dict[str, dict[str, Any]] = {
-        name: {"name": name, "replicas": [], "rejections": {}, "latency": window.summary(name)}
+        name: {"name": name, "replicas": [], "rejections": {},
+               "latency": window.summary(name, generated[name])}
         for name in d.models}
-    for client in d.clients:
-        s = client.state()
+    for client, s in zip(d.clients, states, strict=True):
         model = models[s.model]
         # A worker process's RSS is its own; a replica on a thread of the front end has
         # none of its own (the front end's, under "memory", holds it).
