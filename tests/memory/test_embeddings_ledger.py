@@ -4,13 +4,12 @@ backend allocates for them."""
 from __future__ import annotations
 
 import subprocess
-from pathlib import Path
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from laya_backend_llamacpp import memory as llama_memory
-from laya_backend_llamacpp.backend import LlamaCppBackend
 from laya_backend_torch import memory as torch_memory
 from laya_backend_torch.backend import TorchBackend
 
@@ -62,24 +61,38 @@ def test_laya_plan_shows_the_line_only_where_embeddings_are_on(tmp_path: Path) -
     assert "  embeddings " not in plan("")  # generation alone pays nothing for them
 
 
+# Run in a fresh process: in one that freed llama.cpp contexts before (earlier tests), the
+# allocator hands that memory back without the RSS growing, and the line would read as 0.
+_MEASURE_CONTEXT = """
+import sys
+sys.path.insert(0, {tests!r})
+from test_embeddings_ledger import config, resident
+from laya_backend_llamacpp.backend import LlamaCppBackend
+
+backend = LlamaCppBackend(config("llamacpp"))
+backend.load_weights()
+backend.allocate_cache(n_ctx=2048, max_num_seqs=2)
+backend.allocate_embedder()
+backend.embed(list(range(100, 1124)))  # the weights' pages in, through this first context
+first = backend._embed_ctx, backend._embed_batch
+before = resident()
+backend.allocate_embedder()  # a second one beside it: what one context costs
+backend.embed(list(range(200, 1224)))
+print(resident() - before)
+backend._ll.llama_free(first[0])
+backend._ll.llama_batch_free(first[1])
+backend.close()
+"""
+
+
 def test_llamacpp_embedding_context_is_what_the_line_says() -> None:
     """The context's RSS, measured once it has embedded a full-length input (weights
     already resident), within 10% of the line: 75 MiB at max_seq_len 1024 (AMD EPYC)."""
     cfg = config("llamacpp")
-    backend = LlamaCppBackend(cfg)
-    backend.load_weights()
-    backend.allocate_kv(num_tokens=2048, max_num_seqs=2)
-    try:
-        backend.embed(list(range(100, 1124)))  # the weights' pages in, through the first context
-        ll = backend._ll
-        ll.llama_free(backend._embed_ctx)
-        ll.llama_batch_free(backend._embed_batch)
-        before = resident()
-        backend.allocate_embedder()
-        backend.embed(list(range(200, 1224)))
-        grown = resident() - before
-    finally:
-        backend.close()
+    script = _MEASURE_CONTEXT.format(tests=str(Path(__file__).parent))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, timeout=120)
+    grown = int(out.stdout.strip().splitlines()[-1])
     planned = line(llama_memory.memory_profile, cfg)
     assert abs(grown - planned) <= 0.1 * planned, (grown / MIB, planned / MIB)
 
