@@ -113,7 +113,6 @@ async def _serve(deployment: Deployment, listener: socket.socket, url: str) -> N
 
 def serve(manifest: Manifest, registry: Registry, plan: Plan | None = None) -> int:
     """Load every replica, serve HTTP, and return an exit status."""
-    deployment = Deployment(manifest, registry, plan, processes=True)
     server = manifest.server
     try:
         listener = listen(server)
@@ -121,6 +120,13 @@ def serve(manifest: Manifest, registry: Registry, plan: Plan | None = None) -> i
         log.error("cannot listen on %s port %d: %s", server.host, server.port,
                   e.strerror or e)
         return 1
+    # After listening: building the deployment may start processes (a local Ray's) that
+    # bind ports of their own, and must not take the one the server was given.
+    try:
+        deployment = Deployment(manifest, registry, plan, processes=True)
+    except BaseException:
+        listener.close()
+        raise
     url = url_of(listener)
     log.info("loading %d replica(s) of %s in %s; listening on %s (router: %s)",
              len(deployment.clients), ", ".join(deployment.models),
