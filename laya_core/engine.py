@@ -55,6 +55,16 @@ class RequestTooLongError(ValueError):
     """Prompt plus max_tokens exceeds what one sequence may hold."""
 
 
+def check_length(num_prompt_tokens: int, max_tokens: int, max_seq_len: int) -> None:
+    """Raise :class:`RequestTooLongError` when prompt + max_tokens exceed max_seq_len (an
+    engine's rule, which a front end applies before it sends a request elsewhere)."""
+    if num_prompt_tokens + max_tokens > max_seq_len:
+        raise RequestTooLongError(
+            f"the prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}: "
+            f"{num_prompt_tokens + max_tokens} tokens in all, more than this model's "
+            f"max_seq_len of {max_seq_len}; shorten the prompt or lower max_tokens")
+
+
 class EngineUnavailableError(RuntimeError):
     """The replica is loading, failed to load, or has stopped."""
 
@@ -129,11 +139,7 @@ class Engine:
 
     def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise :class:`RequestTooLongError` when the request can never fit one sequence."""
-        if num_prompt_tokens + max_tokens > self.max_seq_len:
-            raise RequestTooLongError(
-                f"the prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}: "
-                f"{num_prompt_tokens + max_tokens} tokens in all, more than this model's "
-                f"max_seq_len of {self.max_seq_len}; shorten the prompt or lower max_tokens")
+        check_length(num_prompt_tokens, max_tokens, self.max_seq_len)
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                loop: asyncio.AbstractEventLoop | None = None,

@@ -25,27 +25,16 @@ from laya_core.client import (
     EngineClient,
     EngineState,
     EngineUnavailableError,
-    GrammarError,
-    QueueFullError,
     ReplicaInfo,
     ReplicaState,
-    RequestTooLongError,
 )
-from laya_core.embeddings import Embeddings, EmbeddingsUnsupportedError
+from laya_core.embeddings import Embeddings
 from laya_core.stream import GenerationStream, deliver
 from laya_core.structured.spec import ConstraintSpec
 from laya_core.tokenizer import Tokenizer
 from laya_core.types import FinishReason, SamplingParams, TokenEvent
-from laya_core.worker import Loaded
-
-
-def too_long(model: str, num_prompt_tokens: int, max_tokens: int, max_seq_len: int) -> str | None:
-    """Why a request can never fit one sequence of the replica, or None (the engine's rule)."""
-    if num_prompt_tokens + max_tokens <= max_seq_len:
-        return None
-    return (f"the prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}: "
-            f"{num_prompt_tokens + max_tokens} tokens in all, more than this model's "
-            f"max_seq_len of {max_seq_len}; shorten the prompt or lower max_tokens")
+from laya_core.engine import check_length
+from laya_core.worker import Loaded, refused
 
 
 @attrs.define
@@ -156,9 +145,7 @@ class RemoteEngineClient(EngineClient):
         if params.prompt_logprobs is not None and not info.supports_prompt_logprobs:
             raise ValueError(f"the {info.backend_name} backend cannot compute prompt "
                              "log-probabilities")
-        why = too_long(self.model, len(prompt_token_ids), params.max_tokens, info.max_seq_len)
-        if why:
-            raise RequestTooLongError(why)
+        check_length(len(prompt_token_ids), params.max_tokens, info.max_seq_len)
         loop = asyncio.get_running_loop()
         rid = next(self._ids)
         stream = GenerationStream(rid, len(prompt_token_ids), self.cancel)
@@ -176,10 +163,7 @@ class RemoteEngineClient(EngineClient):
             raise
         if refusal is not None:
             self._forget(rid)
-            kind, message, param = refusal
-            raise {"too_long": RequestTooLongError, "queue_full": QueueFullError,
-                   "unavailable": EngineUnavailableError}.get(kind, ValueError)(message) \
-                if kind != "grammar" else GrammarError(param, message)
+            raise refused(*refusal)
         return stream
 
     def cancel(self, request_id: int) -> None:
@@ -198,13 +182,9 @@ class RemoteEngineClient(EngineClient):
             with self._lock:
                 self._embeds.pop(rid, None)
             raise EngineUnavailableError(f"{self.model} replica {self.replica_id} is down")
-        result, kind, message = await future
+        result, kind, message, param = await future
         if kind is not None:
-            raise {"RequestTooLongError": RequestTooLongError,
-                   "QueueFullError": QueueFullError,
-                   "EmbeddingsUnsupportedError": EmbeddingsUnsupportedError,
-                   "EngineUnavailableError": EngineUnavailableError}.get(
-                       kind, ValueError)(message)
+            raise refused(kind, message, param)
         assert isinstance(result, Embeddings)
         return result
 

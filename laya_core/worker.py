@@ -56,11 +56,34 @@ from laya_core.engine import (
     QueueFullError,
     RequestTooLongError,
 )
+from laya_core.embeddings import EmbeddingsUnsupportedError
 from laya_core.structured.spec import GrammarError
 from laya_core.types import TokenEvent
 
 STATE_EVERY_S = 0.25
 log = logging.getLogger("laya.worker")
+
+
+# A refusal crosses as its kind; each side reads this one table. An error is the first
+# class it is an instance of (GrammarError and EmbeddingsUnsupportedError before their
+# base, ValueError). Anything else is the replica's failure: kind "error", a RuntimeError.
+REFUSALS: tuple[tuple[str, type[Exception]], ...] = (
+    ("grammar", GrammarError), ("too_long", RequestTooLongError),
+    ("queue_full", QueueFullError), ("unavailable", EngineUnavailableError),
+    ("unsupported", EmbeddingsUnsupportedError), ("value", ValueError))
+
+
+def refusal_of(error: Exception) -> tuple[str, str, str | None]:
+    """``(kind, message, param)`` of an error, to send to the front end."""
+    kind = next((k for k, cls in REFUSALS if isinstance(error, cls)), "error")
+    return kind, str(error), getattr(error, "param", None)
+
+
+def refused(kind: str, message: str, param: str | None) -> Exception:
+    """The front end's error for a refusal the replica sent."""
+    if kind == "grammar":
+        return GrammarError(param or "", message)
+    return dict(REFUSALS).get(kind, RuntimeError)(message)
 
 
 @attrs.frozen
@@ -159,20 +182,8 @@ class _Worker:
                 matcher = await asyncio.to_thread(self.client.grammars().constraint, spec)
             stream = self.engine.submit(prompt, params, constraint=matcher,
                                         sink=_Forward(self, rid))
-        except GrammarError as e:
-            self.send(("refused", rid, "grammar", str(e), e.param))
-            return
-        except RequestTooLongError as e:
-            self.send(("refused", rid, "too_long", str(e), None))
-            return
-        except QueueFullError as e:
-            self.send(("refused", rid, "queue_full", str(e), None))
-            return
-        except EngineUnavailableError as e:
-            self.send(("refused", rid, "unavailable", str(e), None))
-            return
-        except ValueError as e:
-            self.send(("refused", rid, "value", str(e), None))
+        except (ValueError, EngineUnavailableError, QueueFullError) as e:
+            self.send(("refused", rid, *refusal_of(e)))
             return
         self.send(("ack", rid))
         if rid in self._cancelled:
@@ -185,9 +196,9 @@ class _Worker:
         try:
             result = await self.engine.embed(inputs)
         except Exception as e:  # noqa: BLE001 - the front end raises the matching error
-            self.send(("embedded", rid, None, type(e).__name__, str(e)))
+            self.send(("embedded", rid, None, *refusal_of(e)))
             return
-        self.send(("embedded", rid, result, None, None))
+        self.send(("embedded", rid, result, None, None, None))
 
     async def heartbeat(self) -> None:
         while not self.done.is_set():

@@ -16,6 +16,7 @@ from toy_backend import PLUGIN
 from laya_core import manifest as mf
 from laya_core.client import EngineState, GrammarError, QueueFullError, RequestTooLongError
 from laya_core.deployment import Deployment
+from laya_core.embeddings import EmbeddingsUnsupportedError
 from laya_core.plugins import load_registry
 from laya_core.structured import formats
 from laya_core.types import FinishReason, SamplingParams
@@ -78,6 +79,9 @@ def test_workers_serve_and_refuse_as_engines_do(toy: Deployment) -> None:
         stream = await client.submit([97, 98], SamplingParams(max_tokens=5), spec)
         text = "".join([e.text async for e in stream])
         assert text in ("abc", "abd")
+        # Refusals keep their kind across the socket, embeddings' too (off for this model).
+        with pytest.raises(EmbeddingsUnsupportedError, match="embeddings are off"):
+            await client.embed([[97, 98]])
 
     asyncio.run(go())
     state = toy.clients[0].state()
