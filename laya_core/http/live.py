@@ -45,7 +45,6 @@ LAYERS = ("route", "queue", "prefill", "decode")
 class _Sample:
     at: float  # time.monotonic() when the sequence finished
     seconds: tuple[float, float, float, float]  # route, queue, prefill, decode
-    num_generated: int
 
 
 class LatencyWindow:
@@ -62,10 +61,10 @@ class LatencyWindow:
         # (time, the model's generated tokens) per poll, over the last RATE_S.
         self._counts: dict[str, deque[tuple[float, int]]] = {}
 
-    def add(self, model: str, route_s: float, timing: Timing, num_generated: int) -> None:
+    def add(self, model: str, route_s: float, timing: Timing) -> None:
         samples = self._samples.setdefault(model, deque(maxlen=MAX_SAMPLES))
         samples.append(_Sample(self._clock(), (route_s, timing.queue_s, timing.prefill_s,
-                                               timing.decode_s), num_generated))
+                                               timing.decode_s)))
 
     def tokens_per_s(self, model: str, generated: int) -> float:
         """Tokens generated per second over the last :data:`RATE_S`, from the replicas'

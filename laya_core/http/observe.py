@@ -87,7 +87,7 @@ class Observer:
         if timing is None:
             return
         if self.window is not None:
-            self.window.add(model, route_s, timing, num_generated)
+            self.window.add(model, route_s, timing)
         first_token_s = route_s + timing.queue_s + timing.prefill_s
         self.queue.labels(model).observe(timing.queue_s)
         self.prefill.labels(model).observe(timing.prefill_s)

@@ -24,7 +24,7 @@ def test_an_empty_window_has_no_percentiles_and_no_rate() -> None:
 def test_percentiles_are_nearest_rank_in_milliseconds_per_layer() -> None:
     window = LatencyWindow(Clock())
     for i in range(1, 101):  # decode 1..100 ms, prefill ten times that
-        window.add("m", 0.0001, Timing(0.0, i / 100, i / 1000), 1)
+        window.add("m", 0.0001, Timing(0.0, i / 100, i / 1000))
     summary = window.summary("m")
     assert summary["decode_ms"]["p50"] == 50.0 and summary["decode_ms"]["p99"] == 99.0
     assert summary["prefill_ms"]["p50"] == 500.0
@@ -35,9 +35,9 @@ def test_percentiles_are_nearest_rank_in_milliseconds_per_layer() -> None:
 def test_old_samples_leave_the_window() -> None:
     clock = Clock()
     window = LatencyWindow(clock)
-    window.add("m", 0.0, Timing(0.0, 0.0, 0.0), 500)
+    window.add("m", 0.0, Timing(0.0, 0.0, 0.0))
     clock.now += 10
-    window.add("m", 0.0, Timing(0.0, 0.0, 0.0), 40)
+    window.add("m", 0.0, Timing(0.0, 0.0, 0.0))
     assert window.summary("m")["sequences"] == 2
     clock.now += WINDOW_S - 5
     assert window.summary("m")["sequences"] == 1
@@ -68,5 +68,5 @@ def test_tokens_per_s_follows_the_counters_between_polls() -> None:
 def test_a_burst_cannot_grow_the_window_past_its_bound() -> None:
     window = LatencyWindow(Clock())
     for _ in range(MAX_SAMPLES * 3):
-        window.add("m", 0.0, Timing(0.0, 0.0, 0.0), 1)
+        window.add("m", 0.0, Timing(0.0, 0.0, 0.0))
     assert window.summary("m")["sequences"] == MAX_SAMPLES
