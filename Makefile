@@ -30,7 +30,7 @@ define pip_compiling
 	|| { echo "laya: pip failed; the end of $(LOG):"; tail -n 40 $(LOG); exit 1; }
 endef
 
-.PHONY: install serve test lint clean
+.PHONY: install serve test test-system-deps lint clean
 
 install: $(STAMP)
 
@@ -55,8 +55,29 @@ $(STAMP): pyproject.toml plugins/backend_llamacpp/pyproject.toml plugins/backend
 serve: install
 	$(BIN)/laya serve --host $(HOST) --port $(PORT)
 
-test: install
+# Listed before install, so a machine that lacks them stops before the long compile.
+test: test-system-deps install
 	$(BIN)/python -m pytest
+
+# Programs the tests run that pip cannot install: Debian's Chromium, which
+# tests/integration/test_dashboard.py drives through Playwright (executable_path, no browser
+# download), and systemd-analyze, which tests/laya_core/test_systemd.py verifies the generated
+# unit with. Installed with apt-get when make runs as root on Debian or Ubuntu; elsewhere make
+# stops before pytest with the command to run.
+test-system-deps:
+	@missing=""; needs=""; \
+	if ! [ -x /usr/bin/chromium ]; then missing="chromium"; needs="/usr/bin/chromium"; fi; \
+	if ! command -v systemd-analyze >/dev/null; then \
+	  missing="$${missing:+$$missing }systemd"; needs="$${needs:+$$needs and }systemd-analyze"; \
+	fi; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "laya: the tests need $$needs; apt-get install $$missing"; \
+	  apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	else \
+	  echo "laya: the tests need $$needs; install with: sudo apt-get install $$missing"; \
+	  exit 1; \
+	fi
 
 lint: install
 	$(BIN)/python -m pip install --quiet ruff mypy

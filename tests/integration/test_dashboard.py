@@ -1,5 +1,5 @@
 """The live page (laya_core/http/live.py) in a real browser: headless Chromium, the Debian
-package (/usr/bin/chromium, which .ci/run installs), driven by Playwright, against a live
+package (/usr/bin/chromium, which `make test` installs), driven by Playwright, against a live
 ``laya serve`` of the embedded model with an API key, so the page must ask for one.
 
 Set LAYA_DASHBOARD_SCREENSHOT to a path to keep the screenshot taken under load

@@ -67,8 +67,10 @@ def test_a_manifest_in_tmp_keeps_the_real_tmp(tmp_path: Path) -> None:
 
 
 def test_systemd_accepts_the_unit(plan: Plan, tmp_path: Path) -> None:
-    # .ci/run installs systemd where it is missing; this test never skips.
-    assert shutil.which("systemd-analyze"), "systemd-analyze is missing: apt install systemd"
+    # `make test` installs systemd where it is missing (the Makefile's test-system-deps);
+    # this test never skips.
+    assert shutil.which("systemd-analyze"), \
+        "systemd-analyze is missing: sudo apt-get install systemd"
     path = tmp_path / "laya.service"
     path.write_text(systemd.unit(plan, SRV))
     run = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True,
