@@ -82,9 +82,9 @@ class CompletionHandlers:
             parsers = [ToolCallParser() for _ in runs] if req.tools else []
 
             def chunk(i: int, event: Any) -> dict[str, Any]:
-                if parsers:
-                    finish = _finish_reason(req, event.finish_reason, parsers[i])
+                if parsers:  # the delta first: the last event's text may end a call
                     delta = tool_delta(parsers[i], event.text, event.finish_reason is not None)
+                    finish = _finish_reason(req, event.finish_reason, parsers[i])
                 else:
                     finish = event.finish_reason.value if event.finish_reason else None
                     delta = {"content": event.text}
@@ -216,11 +216,12 @@ def _completion_choice(req: CompletionRequest, index: int, run: gen.Running, r: 
 
 def _finish_reason(req: ChatRequest, finish: FinishReason | None,
                    parser: ToolCallParser) -> str | None:
-    """OpenAI's finish reason with tools: "tool_calls" when the output ended on calls, but
-    "stop" for a named tool_choice (as OpenAI answers); "length" whatever was cut short."""
+    """OpenAI's finish reason with tools: "tool_calls" when the output ended on complete
+    calls, but "stop" for a named tool_choice (as OpenAI answers); "length" whatever was cut
+    short, with the calls as far as they got."""
     if finish is None:
         return None
-    if finish is FinishReason.STOP and parser.calls:
+    if finish is FinishReason.STOP and parser.calls and parser.complete:
         return "stop" if req.tools is not None and req.tools.named else "tool_calls"
     return finish.value
 

@@ -21,6 +21,11 @@ goes out as content (a partial ``<tool_call>`` is held back until it is one or i
 call's first delta carries its index, id, type and name, and later ones carry fragments of
 its ``arguments`` exactly as generated, so that concatenated they equal the non-streamed
 ``arguments``, which the same parser produces.
+
+An output cut short (``max_tokens``, a stop string) keeps what was generated: a call whose
+name is complete is a call, with its ``arguments`` as far as they got; a call cut before
+its name closed is returned as the text it is (``<tool_call>\n{"name": "get_w``), since a
+name's beginning may be another tool's whole name.
 """
 
 from __future__ import annotations
@@ -196,11 +201,13 @@ class _Call:
     index: int
     id: str
     name: str | None = None
+    opened: bool = False  # its '"arguments":' key was read
     arguments: list[str] = attrs.field(factory=list)
     done: bool = False  # its arguments' object closed
 
 
-_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+_ARGUMENTS_KEY = re.compile(r'\s*,\s*"arguments"\s*:\s*')
 
 
 class ToolCallParser:
@@ -221,10 +228,16 @@ class ToolCallParser:
 
     @property
     def calls(self) -> list[dict[str, Any]]:
-        """The calls whose arguments closed, in OpenAI's message shape."""
+        """The calls whose name is complete, in OpenAI's message shape; a call cut short has
+        the arguments generated so far (see :attr:`complete`)."""
         return [{"id": c.id, "type": "function",
                  "function": {"name": c.name, "arguments": "".join(c.arguments)}}
-                for c in self._calls if c.done and c.name is not None]
+                for c in self._calls if c.name is not None]
+
+    @property
+    def complete(self) -> bool:
+        """Whether every call's arguments closed: no call was cut short."""
+        return all(c.done for c in self._calls if c.name is not None)
 
     def feed(self, text: str) -> list[tuple[str, Any]]:
         self._buffer += text
@@ -233,7 +246,7 @@ class ToolCallParser:
             if self._in_call is None:
                 if not self._text(out):
                     break
-            elif self._in_call.name is None:
+            elif not self._in_call.opened:
                 if not self._head(out):
                     break
             elif not self._in_call.done:
@@ -261,15 +274,22 @@ class ToolCallParser:
         return True
 
     def _head(self, out: list[tuple[str, Any]]) -> bool:
-        assert self._in_call is not None
-        found = _HEAD.match(self._buffer)
+        """Read the call's name (then its first delta goes out), then its arguments' key."""
+        call = self._in_call
+        assert call is not None
+        if call.name is None:
+            found = _NAME.match(self._buffer)
+            if found is None:
+                return False
+            call.name = json.loads(found.group(1))
+            self._buffer = self._buffer[found.end():]
+            out.append(("call", {"index": call.index, "id": call.id, "type": "function",
+                                 "function": {"name": call.name, "arguments": ""}}))
+        found = _ARGUMENTS_KEY.match(self._buffer)
         if found is None:
             return False
-        self._in_call.name = json.loads(found.group(1))
+        call.opened = True
         self._buffer = self._buffer[found.end():]
-        call = self._in_call
-        out.append(("call", {"index": call.index, "id": call.id, "type": "function",
-                             "function": {"name": call.name, "arguments": ""}}))
         return True
 
     def _arguments(self, out: list[tuple[str, Any]]) -> None:
@@ -311,8 +331,14 @@ class ToolCallParser:
         return True
 
     def finish(self) -> list[tuple[str, Any]]:
-        """What is held back at the end: a partial marker is content after all."""
+        """What is held back at the end: a partial marker is content after all, and so is a
+        call cut before its name closed (its marker and all, exactly as generated)."""
         out: list[tuple[str, Any]] = []
+        call = self._in_call
+        if call is not None and call.name is None:
+            self._calls.remove(call)
+            self._in_call = None
+            self._buffer = OPEN + self._buffer
         if self._in_call is None and self._buffer \
                 and not (self._calls and not self._buffer.strip()):
             out.append(("content", self._buffer))

@@ -156,6 +156,58 @@ def test_streamed_arguments_survive_every_split() -> None:
     assert parsed(list(STREAM))[1][0]["function"] == whole_calls[0]["function"]
 
 
+def expected_cut(c: int) -> tuple[str, list[tuple[str, str]], bool]:
+    """What STREAM cut after ``c`` characters must give: the content, the calls (name,
+    arguments so far) and whether every call is complete. A call is a call once its name
+    closed; before that it is content, exactly as generated; markers and the layout between
+    calls are not content."""
+    content, calls, complete = "", [], True
+    at = 0
+    for k in range(STREAM.count("<tool_call>")):
+        opened = STREAM.index("<tool_call>", at)
+        if k == 0:
+            content = STREAM[:min(c, opened)]
+        name_end = STREAM.index('", "arguments"', opened) + 1
+        args_start = STREAM.index("{", STREAM.index('"arguments":', opened))
+        args_end = STREAM.index("}\n</tool_call>", opened)  # the call's own } follows
+        if opened < c < name_end:
+            content += STREAM[opened:c]
+        if c >= name_end:
+            name = json.loads(STREAM[STREAM.index('"name": ', opened) + 8:name_end])
+            calls.append((name, STREAM[args_start:min(c, args_end)] if c > args_start else ""))
+            complete = complete and c >= args_end
+        at = args_end
+    return content, calls, complete
+
+
+def test_a_cut_output_keeps_what_was_generated_at_every_cut_and_split() -> None:
+    """``max_tokens`` may end the text anywhere: streamed at any split or not, the reply is
+    the same and holds all it generated (:func:`expected_cut`)."""
+    for c in range(len(STREAM) + 1):
+        cut = STREAM[:c]
+        content, calls, complete = expected_cut(c)
+        parser = ToolCallParser()
+        parser.feed(cut)
+        parser.finish()
+        assert parser.complete == complete, c
+        for i in range(c + 1):
+            got_content, got_calls, rebuilt = parsed([cut[:i], cut[i:]])
+            assert got_content == content, (c, i)
+            assert [(x["function"]["name"], x["function"]["arguments"])
+                    for x in got_calls] == calls, (c, i)
+            assert [(r["name"], r["arguments"]) for r in rebuilt.values()] == calls, (c, i)
+
+
+def test_a_call_cut_inside_its_name_is_text_not_a_call() -> None:
+    """A name's beginning may be another tool's whole name ("get" of "get_weather"), so a
+    call cut before its name closed is not dispatchable: it comes back as the text it is."""
+    content, calls, _ = parsed(['<tool_call>\n{"name": "get'])
+    assert (content, calls) == ('<tool_call>\n{"name": "get', [])
+    content, calls, _ = parsed(['<tool_call>\n{"name": "get"'])  # closed: a call
+    assert content == "" and [c["function"] for c in calls] == [{"name": "get",
+                                                                 "arguments": ""}]
+
+
 def test_text_that_only_looks_like_a_call_is_content() -> None:
     content, calls, _ = parsed(["Compare a < b and <tool", "_c"])
     assert content == "Compare a < b and <tool_c" and calls == []
