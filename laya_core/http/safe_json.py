@@ -5,7 +5,9 @@
 router), ``NaN`` and ``Infinity`` literals, ``1e400`` (infinity), integers of any size (which
 overflow when made floats or C integers) and nesting as deep as the interpreter's recursion
 limit. :func:`loads` refuses all of them with a 400 naming the field, e.g.
-``messages[0].content``.
+``messages[0].content``. Fields whose value is JSON inside a string (a history call's
+``arguments``, ``guided_json``) escape that check, so they are parsed with
+:func:`loads_field`, which applies the same rules and names the field.
 """
 
 from __future__ import annotations
@@ -46,6 +48,27 @@ def loads(data: bytes | bytearray | str) -> Any:
         _check(value, 1)
     except _Bad as bad:
         raise _error(bad) from None
+    return value
+
+
+def loads_field(text: str, param: str) -> Any:
+    """The JSON value of the string field ``param`` (e.g.
+    ``messages[3].tool_calls[0].function.arguments``), refused as :func:`loads` refuses a
+    body: :class:`APIError` 400 naming ``param``. Its nesting counts from the string, so it
+    may nest :data:`MAX_DEPTH` levels of its own."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise invalid(param, f"'{param}' nests arrays and objects more than {MAX_DEPTH} "
+                      "levels deep", "too_deep") from None
+    except ValueError as e:
+        raise invalid(param, f"'{param}' is not valid JSON: {e}", "invalid_json") from None
+    try:
+        _check(value, 1)
+    except _Bad as bad:
+        inside = _field_path(bad.path[::-1]) if not bad.whole_field else ""
+        where = f" (at {inside})" if inside else ""
+        raise invalid(param, f"'{param}'{where} {bad.problem}", bad.code) from None
     return value
 
 

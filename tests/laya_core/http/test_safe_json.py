@@ -44,3 +44,26 @@ def test_surrogate_pairs_and_long_token_arrays_pass() -> None:
     assert safe_json.loads(b'{"a": "\\ud83d\\ude00"}') == {"a": "\U0001f600"}
     ids = list(range(100_000))
     assert safe_json.loads(str({"prompt": ids}).replace("'", '"').encode())["prompt"] == ids
+
+
+
+ARGUMENTS = "messages[3].tool_calls[0].function.arguments"
+
+
+def refused_field(text: str) -> APIError:
+    with pytest.raises(APIError) as caught:
+        safe_json.loads_field(text, ARGUMENTS)
+    assert (caught.value.status, caught.value.param) == (400, ARGUMENTS)
+    return caught.value
+
+
+def test_json_inside_a_string_field_is_bounded_and_named() -> None:
+    """A call's ``arguments`` or a schema sent as a string is JSON the body's check never
+    saw: the same rules, with the field named."""
+    assert refused_field("[" * 5000 + "]" * 5000).code == "too_deep"  # past json.loads' limit
+    assert refused_field('{"a": ' + "[" * 64 + "]" * 64 + "}").code == "too_deep"
+    assert safe_json.loads_field('{"a": ' + "[" * 63 + "]" * 63 + "}", ARGUMENTS)
+    surrogate = refused_field('{"city": "\\ud800"}')
+    assert surrogate.code == "invalid_string" and "(at city)" in surrogate.message
+    assert refused_field('{"n": 1e400}').code == "invalid_value"
+    assert refused_field("{").code == "invalid_json"
