@@ -413,10 +413,32 @@ class LlamaCppBackend(Backend):
             # and no new memory, and the cells live while either sequence holds them.
             ll.llama_memory_seq_cp(self._mem, src_slot, dst_slot, 0, num_tokens)
             return
-        # Separate streams: llama.cpp copies whole streams only (inside the destination's own
-        # preallocated buffer, before the next decode); the tail past the prefix is dropped.
-        ll.llama_memory_seq_cp(self._mem, src_slot, dst_slot, -1, -1)
+        # Separate streams: the source's KV is written out and read into the destination's
+        # stream now, through llama.cpp's own state format, and the tail past the prefix is
+        # dropped. Not llama_memory_seq_cp: across streams it copies the cells' metadata at
+        # once but queues the data copy until the next llama_decode, so a save or restore
+        # (applied at once) of either stream in the same step read or wrote the wrong bytes:
+        # a stream moved out of a slot and a restore into that slot, in one step, handed the
+        # restored prompt's KV to the moved conversation, and every later user of its prefix
+        # (issue 25). The state copy is also smaller: the cells in use, not the whole stream.
+        self._copy_stream(src_slot, dst_slot)
         ll.llama_memory_seq_rm(self._mem, dst_slot, num_tokens, -1)
+
+    def _copy_stream(self, src_slot: int, dst_slot: int) -> None:
+        """Replace ``dst_slot``'s KV with a copy of ``src_slot``'s, applied before returning."""
+        buf = self._stream_state(src_slot)
+        if not self._ll.llama_state_seq_set_data(self._ctx, _u8(buf), buf.nbytes, dst_slot):
+            raise RuntimeError(f"llama.cpp could not copy the KV of slot {src_slot} "
+                               f"into slot {dst_slot}")
+
+    def _stream_state(self, slot: int) -> np.ndarray:
+        """``slot``'s KV in llama.cpp's state format (llama_state_seq_get_data)."""
+        ll = self._ll
+        size = ll.llama_state_seq_get_size(self._ctx, slot)
+        buf = np.empty(size, np.uint8)  # not zero-filled: 0.85 ms for 500 tokens, 1.17 filled
+        if ll.llama_state_seq_get_data(self._ctx, _u8(buf), size, slot) != size:
+            raise RuntimeError(f"llama.cpp could not save the KV of slot {slot}")
+        return buf
 
     def move_sequence(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
         self.share_prefix(src_slot, dst_slot, num_tokens)
@@ -426,12 +448,7 @@ class LlamaCppBackend(Backend):
 
     def save_stream(self, slot: int, key: int) -> None:
         """Copy ``slot``'s KV to host memory as ``key`` (llama_state_seq_get_data)."""
-        ll = self._ll
-        size = ll.llama_state_seq_get_size(self._ctx, slot)
-        buf = np.empty(size, np.uint8)  # not zero-filled: 0.85 ms for 500 tokens, 1.17 filled
-        if ll.llama_state_seq_get_data(self._ctx, _u8(buf), size, slot) != size:
-            raise RuntimeError(f"llama.cpp could not save the KV of slot {slot}")
-        self._saved[key] = buf
+        self._saved[key] = self._stream_state(slot)
 
     def restore_stream(self, key: int, slot: int, num_tokens: int) -> None:
         """Put saved KV ``key`` into the empty ``slot`` and keep its first ``num_tokens``;
