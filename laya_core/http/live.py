@@ -37,7 +37,10 @@ OPEN_PATHS = frozenset(ASSETS)
 POLL_INTERVAL_MS = 500  # what the page waits between two polls
 WINDOW_S = 60.0  # latency percentiles cover the sequences finished this recently
 MAX_SAMPLES = 2048  # per model, so a burst of short requests cannot grow the window
-RATE_S = 3.0  # tokens/s: the replicas' generated-token counters over the last 3 s of polls
+RATE_S = 3.0  # tokens/s: the replicas' generated-token counters over about the last 3 s
+# A poll measures from no earlier poll closer than this (two pages, the first polls): a few
+# tokens over a few milliseconds would read thousands per second. The rate read before stands.
+MIN_RATE_S = 0.25
 LAYERS = ("route", "queue", "prefill", "decode")
 
 
@@ -58,8 +61,10 @@ class LatencyWindow:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._samples: dict[str, deque[_Sample]] = {}
-        # (time, the model's generated tokens) per poll, over the last RATE_S.
+        # (time, the model's generated tokens) per poll: those of the last RATE_S and the
+        # newest one before them, whatever its age.
         self._counts: dict[str, deque[tuple[float, int]]] = {}
+        self._rates: dict[str, float] = {}  # the rate each model's last poll read
 
     def add(self, model: str, route_s: float, timing: Timing) -> None:
         samples = self._samples.setdefault(model, deque(maxlen=MAX_SAMPLES))
@@ -67,17 +72,27 @@ class LatencyWindow:
                                                timing.decode_s)))
 
     def tokens_per_s(self, model: str, generated: int) -> float:
-        """Tokens generated per second over the last :data:`RATE_S`, from the replicas'
-        counters (``generated``: their sum now), whether or not sequences finished."""
+        """Tokens generated per second, from the replicas' counters (``generated``: their
+        sum now), whether or not sequences finished. Measured from the oldest poll of the
+        last :data:`RATE_S`, or where there is none (polls further apart) from the one
+        before, whatever its age: at the page's pace the rate covers about 3 s, and a client
+        that polls every 10 s reads it over those 10 s."""
         now = self._clock()
         counts = self._counts.setdefault(model, deque(maxlen=MAX_SAMPLES))
         if counts and generated < counts[-1][1]:  # a replica restarted: its count began anew
             counts.clear()
-        counts.append((now, generated))
-        while len(counts) > 1 and counts[0][0] < now - RATE_S:
+            self._rates[model] = 0.0
+        # Keep the newest poll older than RATE_S: it is the base when no newer one is.
+        while len(counts) > 1 and now - counts[1][0] > RATE_S:
             counts.popleft()
-        then, before = counts[0]
-        return (generated - before) / (now - then) if now > then else 0.0
+        base = next((c for c in counts if MIN_RATE_S <= now - c[0] <= RATE_S), None)
+        if base is None and counts and now - counts[0][0] > RATE_S:
+            base = counts[0]
+        if base is not None:
+            then, before = base
+            self._rates[model] = (generated - before) / (now - then)
+        counts.append((now, generated))
+        return self._rates.setdefault(model, 0.0)
 
     def summary(self, model: str, generated: int = 0) -> dict[str, Any]:
         now = self._clock()
