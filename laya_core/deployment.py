@@ -107,7 +107,8 @@ class Deployment:
                 elif in_worker:
                     client = WorkerEngineClient(
                         config, replica, backend_cls(config), worker_plugins,
-                        on_change=self._changed, on_loaded=self._worker_loaded)
+                        on_change=self._changed, on_loaded=self._worker_loaded,
+                        silence_s=manifest.cluster.worker_timeout_s)
                     self.workers.append(client)
                 else:
                     engine = Engine(config, backend_cls(config), scheduler_cls, cache_cls,

@@ -31,6 +31,7 @@ from laya_core.server_manifest import (
     check_host_resolves,
     parse_server,
 )
+from laya_core.worker_link import DEFAULT_SILENCE_S
 
 __all__ = ["CLUSTER_KEYS", "EMBEDDED_MODEL", "ENGINE_KINDS", "KV_CACHE_DTYPES", "MEMORY_KEYS",
            "MODEL_KEYS", "ROUTER_KEYS", "SERVER_KEYS", "TOP_KEYS", "ClusterConfig",
@@ -66,10 +67,14 @@ class ClusterConfig:
     "auto" is there); "thread", threads of the server's own process (a backend crash takes
     the server down); "auto", whatever the caller chose (laya_core/deployment.py); "ray", a
     Ray actor each, placed on a cluster's nodes by the memory plan (laya_core/ray_client.py).
-    ``address``: the Ray cluster to join (else RAY_ADDRESS, else a local one)."""
+    ``address``: the Ray cluster to join (else RAY_ADDRESS, else a local one).
+    ``worker_timeout_s``: a worker process that sends nothing this long (no step, no
+    heartbeat) is killed and restarted (laya_core/worker_link.py); threads and Ray actors
+    do not use it."""
 
     engine: str = "auto"
     address: str | None = None
+    worker_timeout_s: float = DEFAULT_SILENCE_S
 
 
 @attrs.frozen
@@ -86,7 +91,7 @@ class Manifest:
 
 MEMORY_KEYS = ("budget",)
 ROUTER_KEYS = ("impl",)
-CLUSTER_KEYS = ("engine", "address")
+CLUSTER_KEYS = ("engine", "address", "worker_timeout_s")
 TOP_KEYS = ("server", "memory", "router", "cluster", "models")
 
 
@@ -96,8 +101,10 @@ def _cluster(data: Any, problems: Problems) -> ClusterConfig:
                    f"must be one of {', '.join(ENGINE_KINDS)}, got {v!r}")
     address = t.get("address", str, None, check=lambda v: None if engine == "ray" else
                     f'applies only with engine = "ray" (engine is "{engine}")')
+    timeout = t.get("worker_timeout_s", (int, float), DEFAULT_SILENCE_S, check=lambda v:
+                    None if 1 <= v <= 3600 else "must be between 1 and 3600 seconds")
     t.finish(CLUSTER_KEYS)
-    return ClusterConfig(engine, address)
+    return ClusterConfig(engine, address, float(timeout))
 
 
 def _memory(data: Any, problems: Problems) -> MemoryConfig:

@@ -21,7 +21,9 @@ Worker to front end:
   with every request's events of that step (the engine hands a step's events to the loop
   in one callback, and the flush runs after it), not a message per token per request;
 - ``("embedded", rid, Embeddings | None, kind, message)``;
-- ``("state", ReplicaState)`` every :data:`STATE_EVERY_S` while nothing else is sent.
+- ``("state", ReplicaState)`` every :data:`STATE_EVERY_S` while nothing else is sent, and
+  ``("beat",)`` likewise while the model loads: the heartbeat, sent by a thread of its own
+  (see :func:`_heartbeat`), by which the front end tells a live worker from a stuck one.
 
 The constraint of a submit is compiled here, on a worker thread of this process, never on
 the engine thread. When the front end goes away (its end of the socket closes) the worker
@@ -109,6 +111,39 @@ def import_plugins(specs: list[str]) -> list[object]:
         module, _, attr = spec.partition(":")
         out.append(getattr(importlib.import_module(module), attr))
     return out
+
+
+class _Link:
+    """The socket's sending side, shared by the loop, the heartbeat and the main thread."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+        self.last_sent = time.monotonic()
+        # Once "loaded" has been sent, beats carry the replica's state.
+        self.state: Callable[[], ReplicaState] | None = None
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        with self._lock:
+            self._conn.send(message)
+            self.last_sent = time.monotonic()
+
+
+def _heartbeat(link: _Link) -> None:
+    """Send something every :data:`STATE_EVERY_S` while nothing else goes out, from this
+    process's start until the front end goes away. A thread of its own, so that neither a long
+    engine step nor a long load holds it back: the backends run their model calls with the
+    GIL released (llama.cpp through ctypes, torch's kernels), and this thread needs it for
+    microseconds. So silence means the process is stopped, frozen or wedged, never busy."""
+    while True:
+        time.sleep(STATE_EVERY_S)
+        if time.monotonic() - link.last_sent < STATE_EVERY_S:
+            continue
+        state = link.state
+        try:
+            link.send(("state", state()) if state is not None else ("beat",))
+        except OSError:  # the front end went away
+            return
 
 
 class _Forward:
@@ -220,15 +255,17 @@ def _read(conn: Connection, worker: _Worker) -> None:
 
 
 async def serve_engine(engine: Engine, send: Callable[[tuple[Any, ...]], None],
-                       started: Callable[[_Worker], None]) -> None:
+                       started: Callable[[_Worker], None], heartbeat: bool = True) -> None:
     """Serve a loaded engine's protocol until the front end stops it or goes away;
     ``started`` gets the worker once it exists, to feed it the front end's messages
-    (``worker.handle`` on ``worker.loop``)."""
+    (``worker.handle`` on ``worker.loop``). ``heartbeat``: send the idle state messages
+    from this loop (a worker process sends them from its own thread instead)."""
     worker = _Worker(send, engine)
     started(worker)
-    beat = asyncio.ensure_future(worker.heartbeat())
+    beat = asyncio.ensure_future(worker.heartbeat()) if heartbeat else None
     await worker.done.wait()
-    beat.cancel()
+    if beat is not None:
+        beat.cancel()
 
 
 def build_engine(config: ModelConfig, replica_id: int, plugins: list[str]) -> Engine:
@@ -263,21 +300,25 @@ def main(fd: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(fd)
+    link = _Link(conn)
+    threading.Thread(target=_heartbeat, args=(link,), name="laya-worker-heartbeat",
+                     daemon=True).start()
     _, config, replica_id, plugins = conn.recv()
     assert isinstance(config, ModelConfig)
     engine = build_engine(config, replica_id, plugins)
     engine.start()
     if not engine.wait_ready():
-        conn.send(("failed", engine.error or engine.state.value))
+        link.send(("failed", engine.error or engine.state.value))
         return 1
-    conn.send(("loaded", loaded_of(engine)))
+    link.send(("loaded", loaded_of(engine)))
+    link.state = LocalEngineClient(engine).state
 
     def started(worker: _Worker) -> None:
         threading.Thread(target=_read, args=(conn, worker), name="laya-worker-reader",
                          daemon=True).start()
 
     try:
-        asyncio.run(serve_engine(engine, conn.send, started))
+        asyncio.run(serve_engine(engine, link.send, started, heartbeat=False))
     finally:
         engine.stop()
     return 0 if engine.state is not EngineState.FAILED else 1

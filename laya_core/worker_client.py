@@ -7,7 +7,10 @@ one message and reach each event loop in one ``call_soon_threadsafe``), and when
 process dies (``kill -9``, a native crash) it ends that replica's requests at once with an
 error that says so (the HTTP side answers 503 with Retry-After, or an error event in a
 stream), marks the replica down in the router (``on_change``), and starts it again after
-a backoff. A worker that dies while loading :data:`MAX_LOAD_CRASHES` times in a row is left
+a backoff. A worker that stops answering (``SIGSTOP``, a wedged process: no step and no
+heartbeat for ``silence_s``) is killed and then handled as one that died
+(:mod:`laya_core.worker_link`, which also keeps sends from ever waiting on the socket). A
+worker that dies while loading :data:`MAX_LOAD_CRASHES` times in a row is left
 down, FAILED, with its last output in the error. One that fails to load with a Python
 error (a bad file, an option the backend refuses) fails at once, as an in-process replica
 does: a restart would fail the same way.
@@ -36,6 +39,7 @@ from laya_core.backend import Backend, ModelConfig
 from laya_core.client import EngineState
 from laya_core.logs import resident_bytes
 from laya_core.remote_client import RemoteEngineClient
+from laya_core.worker_link import DEFAULT_SILENCE_S, WorkerLink
 
 log = logging.getLogger(__name__)
 MAX_LOAD_CRASHES = 3
@@ -64,11 +68,12 @@ class WorkerEngineClient(RemoteEngineClient):
     def __init__(self, config: ModelConfig, replica_id: int, backend: Backend,
                  plugins: Sequence[str] = (),
                  on_change: Callable[[WorkerEngineClient], None] | None = None,
-                 on_loaded: Callable[[WorkerEngineClient], None] | None = None) -> None:
+                 on_loaded: Callable[[WorkerEngineClient], None] | None = None,
+                 silence_s: float = DEFAULT_SILENCE_S) -> None:
         super().__init__(config, replica_id, backend, plugins, on_change, on_loaded)
-        self._conn: Connection | None = None
+        self.silence_s = silence_s  # a worker silent this long is killed as stuck
+        self._link: WorkerLink | None = None  # while the worker serves
         self._proc: subprocess.Popen[bytes] | None = None
-        self._send_lock = threading.Lock()
         self.output: collections.deque[str] = collections.deque(maxlen=_OUTPUT_LINES)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -83,8 +88,8 @@ class WorkerEngineClient(RemoteEngineClient):
         self.begin_stop()
         proc = self._proc
         if proc is not None:
-            try:
-                proc.wait(timeout)
+            try:  # one still loading has nothing to finish, and reads no "stop"
+                proc.wait(timeout if self._link is not None else 0)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
@@ -109,15 +114,8 @@ class WorkerEngineClient(RemoteEngineClient):
     # -- the connection ---------------------------------------------------------------------
 
     def _send(self, message: tuple[Any, ...]) -> bool:
-        conn = self._conn
-        if conn is None:
-            return False
-        try:
-            with self._send_lock:
-                conn.send(message)
-            return True
-        except OSError:
-            return False
+        link = self._link
+        return link is not None and link.send(message)
 
     # -- supervision ------------------------------------------------------------------------
 
@@ -130,7 +128,7 @@ class WorkerEngineClient(RemoteEngineClient):
             except Exception as e:  # noqa: BLE001 - a broken exchange is a failed worker
                 log.exception("%s replica %d: its worker failed", self.model, self.replica_id)
                 self._kill()
-                self._conn = None
+                self._link = None
                 self._error = f"its worker process failed: {type(e).__name__}: {e}"
                 self._set_state(EngineState.LOADING)
                 self._lose_all(self._error)
@@ -175,20 +173,28 @@ class WorkerEngineClient(RemoteEngineClient):
         self._proc = proc
         threading.Thread(target=self._relay_output, args=(proc,), daemon=True,
                          name=f"laya-worker-output-{self.replica_id}").start()
-        conn = Connection(front.detach())
+        link = WorkerLink(Connection(front.detach()), proc, self.silence_s,
+                          f"{self.model}-{self.replica_id}")
         try:
-            conn.send(("init", self.config, self.replica_id, self._plugins))
-            first = conn.recv()
+            return self._serve(link, proc)
+        finally:
+            link.close()
+
+    def _serve(self, link: WorkerLink, proc: subprocess.Popen[bytes]) -> str:
+        """Load the worker and dispatch its messages until it ends (see ``_run_once``)."""
+        try:
+            link.send(("init", self.config, self.replica_id, self._plugins))
+            first = link.recv()
+            while first[0] == "beat":  # the heartbeat while it loads
+                first = link.recv()
         except (EOFError, OSError):
             code = proc.wait()
-            self._error = f"its worker process {_died(code)} while loading"
+            self._error = f"its worker process {link.stuck or _died(code)} while loading"
             self._set_state(EngineState.LOADING)
-            conn.close()
             return "crashed_loading"
         if first[0] == "failed":
             self._error = first[1]
             self._set_state(EngineState.FAILED)
-            conn.close()
             proc.wait()
             return "failed"
         self._loaded = loaded = first[1]
@@ -197,28 +203,27 @@ class WorkerEngineClient(RemoteEngineClient):
         except Exception as e:  # noqa: BLE001 - the front end's check refused the model
             self._error = f"{type(e).__name__}: {e}"  # as an engine says a failed load
             self._set_state(EngineState.FAILED)
-            conn.send(("stop",))
-            conn.close()
+            link.close()  # the worker stops when its socket closes
             proc.wait()
             return "failed"
-        self._conn = conn
+        self._link = link
         self._snapshot = loaded.state
         self._error = None
         self._set_state(EngineState.READY)
         self._ready.set()
         try:
             while True:
-                self._dispatch(conn.recv())
+                self._dispatch(link.recv())
         except (EOFError, OSError):
             pass
-        self._conn = None
-        conn.close()
+        self._link = None
+        link.close()  # what was queued for the worker goes with it
         code = proc.wait()
         if self._stopping.is_set():
             self._lose_all(f"{self.model} replica {self.replica_id} stopped")
             return "stopped"
         why = (f"the worker process of {self.model} replica {self.replica_id} "
-               f"{_died(code)}; retry")
+               f"{link.stuck or _died(code)}; retry")
         self._error = why
         self._set_state(EngineState.LOADING)
         self._lose_all(why)

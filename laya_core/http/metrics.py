@@ -57,7 +57,7 @@ class DeploymentCollector:
         up = gauge("replica_up", "1 while the replica serves; 0 loading, restarting or failed.")
         restarts = CounterMetricFamily("laya:replica_restarts",
                                        "Times the replica's worker process was started again "
-                                       "after it died.", labels=_LABELS)
+                                       "after it died or was killed as stuck.", labels=_LABELS)
         for client in d.clients:
             e = client.state()
             labels = [e.model, str(e.replica_id)]
