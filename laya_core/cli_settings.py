@@ -110,6 +110,11 @@ SETTINGS = (
             _string_list, metavar="ORIGINS",
             help="origins browsers may call from (CORS): a JSON list, comma-separated, or "
             "repeated; '*' for any", many=True, group="server"),
+    Setting(("--allowed-hosts",), "LAYA_ALLOWED_HOSTS", "server", "allowed_hosts",
+            _string_list, metavar="HOSTS",
+            help="Host header names served besides localhost and the listen address (a "
+            "proxy's, a tunnel's): a JSON list, comma-separated, or repeated; '*' for any",
+            many=True, group="server"),
     Setting(("--access-log",), "LAYA_ACCESS_LOG", "server", "access_log", _bool,
             help="a log line per request (on by default; --no-access-log turns it off)",
             group="server"),

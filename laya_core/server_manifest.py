@@ -32,6 +32,10 @@ class ServerConfig:
     # With API keys set, /metrics needs one too unless this is false (a Prometheus scraper
     # on a private network may not hold a key).
     metrics_need_api_key: bool = True
+    # Host names (or addresses) requests may name in Host besides the server's own and
+    # localhost's: a DNS-rebinding defence (laya_core/http/hosts.py). "*" is any host,
+    # ".example.com" that domain and its subdomains.
+    allowed_hosts: tuple[str, ...] = ()
 
 
 def _host_problem(host: str) -> str | None:
@@ -115,7 +119,7 @@ def _api_keys(t: Table, base_dir: Path) -> list[str]:
 
 SERVER_KEYS = ("host", "port", "api_keys", "api_keys_env", "api_keys_file", "max_body_bytes",
                "shutdown_timeout_s", "body_timeout_s", "access_log", "cors_origins",
-               "metrics_need_api_key")
+               "metrics_need_api_key", "allowed_hosts")
 
 
 def parse_server(data: Any, problems: Problems, base_dir: Path = Path()) -> ServerConfig:
@@ -137,13 +141,19 @@ def parse_server(data: Any, problems: Problems, base_dir: Path = Path()) -> Serv
         if problem := cors_origin_problem(origin):
             t.problem(f"cors_origins[{i}]", problem)
     metrics_key = t.get("metrics_need_api_key", bool, True)
+    hosts = t.get("allowed_hosts", list, [])
+    for i, name in enumerate(hosts):
+        if problem := allowed_host_problem(name):
+            t.problem(f"allowed_hosts[{i}]", problem)
     t.finish(SERVER_KEYS)
     body_bytes = 4 * 2**20
     with problems.guard():
         body_bytes = parse_size(body, "server.max_body_bytes", minimum=1024)
     return ServerConfig(host, port, tuple(keys), body_bytes, float(shutdown),
                         float(body_timeout), access_log,
-                        tuple(o for o in cors if not cors_origin_problem(o)), metrics_key)
+                        tuple(o for o in cors if not cors_origin_problem(o)), metrics_key,
+                        tuple(h.lower().rstrip(".") for h in hosts
+                              if not allowed_host_problem(h)))
 
 
 _ORIGIN_RE = re.compile(r"^https?://[A-Za-z0-9.\-\[\]:]+$")
@@ -157,6 +167,20 @@ def cors_origin_problem(origin: object) -> str | None:
         return (f"{origin!r} is not an origin: give scheme://host[:port] with no path "
                 "(\"https://app.example.com\", \"http://localhost:3000\") or \"*\" for any")
     return None
+
+
+def allowed_host_problem(name: object) -> str | None:
+    """A host as ``Host`` headers name it, without the port: a name, an IP address (IPv6
+    without brackets), ".example.com" for that domain and its subdomains, or "*" for any."""
+    if name == "*":
+        return None
+    if isinstance(name, str) and name.startswith(".") and len(name) > 1:
+        name = name[1:]
+    if isinstance(name, str) and name and not _host_problem(name):
+        return None
+    return (f"{name!r} is not a host: give a name (\"laya.example.com\"), an IP address "
+            "(\"192.168.1.5\", \"::1\"; no brackets, no port), \".example.com\" for a domain "
+            "and its subdomains, or \"*\" for any")
 
 
 def check_host_resolves(host: str) -> None:

@@ -24,6 +24,7 @@ from laya_core.http.completions import CompletionHandlers
 from laya_core.http.cors import Cors, cors_options
 from laya_core.http.embeddings import EmbeddingHandler
 from laya_core.http.errors import APIError, http_exception_response, invalid
+from laya_core.http.hosts import HostCheckMiddleware, host_rule
 from laya_core.http.live import OPEN_PATHS, LatencyWindow, live_routes
 from laya_core.http.metrics import metrics_registry
 from laya_core.http.observe import Observer
@@ -141,8 +142,10 @@ def create_app(deployment: Deployment) -> Starlette:
         open_paths = {"/health"} if server.metrics_need_api_key else {"/health", "/metrics"}
         open_paths |= OPEN_PATHS  # the live page's files; its data (/live) needs a key
         app.add_middleware(ApiKeyMiddleware, keys=server.api_keys, open_paths=open_paths)
-    if server.cors_origins:  # added last, so it wraps the key check (see laya_core/http/cors.py)
+    if server.cors_origins:  # added after the key check, so it wraps it (laya_core/http/cors.py)
         app.add_middleware(Cors, **cors_options(server.cors_origins))
+    if (rule := host_rule(server)) is not None:  # outside CORS: a rebinding page is no origin
+        app.add_middleware(HostCheckMiddleware, rule=rule)
     if server.access_log:  # outermost, so what the layers inside refuse is logged too
         app.add_middleware(AccessLogMiddleware)
     app.state.deployment = deployment

@@ -149,7 +149,7 @@ def test_every_status_has_its_openai_type(plain: ServerProcess) -> None:
 
 def test_a_body_that_does_not_arrive_is_a_408(plain: ServerProcess) -> None:
     with socket.create_connection(("127.0.0.1", plain.port), timeout=10) as sock:
-        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\n"
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                      f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
                      "Content-Length: 100\r\n\r\n{\"model\":".encode())
         reply = b""

@@ -35,7 +35,7 @@ def send_slowly(server: ServerProcess, parts: list[bytes], gap_s: float) -> tupl
     return answer, time.monotonic() - started
 
 
-HEAD = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+HEAD = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         b"Content-Length: 1000\r\nConnection: close\r\n\r\n")
 
 

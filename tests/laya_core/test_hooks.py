@@ -97,7 +97,7 @@ def served(tmp_path: Path) -> Iterator[tuple[Deployment, httpx.Response]]:
 
     async def ask() -> httpx.Response:
         transport = httpx.ASGITransport(app=create_app(deployment))
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             return await client.post("/v1/completions", json={
                 "model": "toy", "prompt": "hook", "max_tokens": 4})
 

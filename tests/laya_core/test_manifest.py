@@ -257,3 +257,25 @@ def test_check_exits_2_naming_the_key(tmp_path: Path, head: str, key: str) -> No
     out = laya_check(tmp_path, head)
     assert out.returncode == 2 and f"laya: manifest error: {key}: " in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_allowed_hosts_are_names_addresses_domains_or_any() -> None:
+    hosts = ["Laya.Example.com.", "10.0.0.5", "::1", ".example.org", "*"]
+    assert parse(server={"allowed_hosts": hosts}).server.allowed_hosts == (
+        "laya.example.com", "10.0.0.5", "::1", ".example.org", "*")
+    assert parse().server.allowed_hosts == ()
+
+
+@pytest.mark.parametrize(("value", "key", "said"), [
+    ("laya.example.com", "server.allowed_hosts", "expected list"),
+    (["laya.example.com:8000"], "server.allowed_hosts[0]", "no port"),
+    (["ok.example", "[::1]"], "server.allowed_hosts[1]", "no brackets"),
+    (["http://laya.example.com"], "server.allowed_hosts[0]", "is not a host"),
+    ([""], "server.allowed_hosts[0]", "is not a host"),
+    (["."], "server.allowed_hosts[0]", "is not a host"),
+    ([7], "server.allowed_hosts[0]", "is not a host"),
+])
+def test_allowed_hosts_errors_name_the_entry(value: object, key: str, said: str) -> None:
+    with pytest.raises(mf.ManifestError) as info:
+        parse(server={"allowed_hosts": value})
+    assert info.value.key == key and said in info.value.message, info.value

@@ -95,7 +95,7 @@ def test_manifest_selects_in_test_plugins_end_to_end(toy_deployment: Deployment)
 
     async def go() -> list[httpx.Response]:
         transport = httpx.ASGITransport(app=create_app(toy_deployment))
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             bodies = [{"model": "toy", "prompt": "héllo wörld", "max_tokens": 13},
                       {"model": "toy", "prompt": "abc", "max_tokens": 40, "stop": ["ca"]},
                       {"model": "toy", "prompt": "xy\x00", "max_tokens": 9}]
@@ -203,7 +203,7 @@ def test_a_scheduler_that_raises_fails_its_model_not_the_server(tmp_path: Path) 
 
     async def go() -> list[httpx.Response]:
         transport = httpx.ASGITransport(app=create_app(deployment))
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             out = [await client.post("/v1/completions", json={
                 "model": "bad", "prompt": "abcdef", "max_tokens": 20})]
             out.append(await client.post("/v1/completions", json={

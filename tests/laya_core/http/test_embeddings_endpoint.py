@@ -55,7 +55,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
 def post(deployment: Deployment, body: Any, path: str = "/v1/embeddings") -> httpx.Response:
     async def go() -> httpx.Response:
         transport = httpx.ASGITransport(app=create_app(deployment))
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             return await client.post(path, json=body)
 
     return asyncio.run(go())
@@ -163,7 +163,7 @@ def test_embeddings_run_between_steps_and_leave_generation_exact(
 
     async def go() -> list[httpx.Response]:
         transport = httpx.ASGITransport(app=create_app(deployment))
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             gens = [client.post("/v1/completions", json={
                 "model": "toy", "prompt": prompt, "max_tokens": 30}) for _ in range(2)]
             embeds = [client.post("/v1/embeddings", json={

@@ -46,7 +46,7 @@ def call(deployment: Deployment, method: str, path: str, key: str | None = KEY,
     async def go() -> httpx.Response:
         transport = httpx.ASGITransport(app=create_app(deployment))
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             return await client.request(method, path, headers=headers, **kwargs)
 
     return asyncio.run(go())

@@ -33,7 +33,7 @@ def deployment(tmp_path: Path, options: list[dict]) -> Deployment:
 def get(d: Deployment, path: str) -> httpx.Response:
     async def go() -> httpx.Response:
         transport = httpx.ASGITransport(app=create_app(d))
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
             return await c.get(path)
 
     return asyncio.run(go())
