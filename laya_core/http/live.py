@@ -34,6 +34,19 @@ ASSETS = {"/": ("dashboard.html", "text/html; charset=utf-8"),
           "/dashboard/app.js": ("app.js", "text/javascript; charset=utf-8"),
           "/dashboard/app.css": ("app.css", "text/css; charset=utf-8")}
 OPEN_PATHS = frozenset(ASSETS)
+# What the page may do, whoever serves or frames it: run and style itself from its own files
+# only (app.js sets the bars' widths through the DOM, never in style attributes), fetch from
+# this server only, submit no form anywhere, and be framed by no page (a framing page could
+# trick a click on the chat's Send). nosniff keeps each file the type it is served as.
+PAGE_HEADERS = {
+    "Cache-Control": "no-cache",
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+    "img-src 'self' data:; connect-src 'self'; base-uri 'none'; form-action 'none'; "
+    "frame-ancestors 'none'",
+    "X-Frame-Options": "DENY",  # frame-ancestors for browsers older than CSP 2
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
 POLL_INTERVAL_MS = 500  # what the page waits between two polls
 WINDOW_S = 60.0  # latency percentiles cover the sequences finished this recently
 MAX_SAMPLES = 2048  # per model, so a burst of short requests cannot grow the window
@@ -184,7 +197,7 @@ def live_routes(deployment: Deployment, window: LatencyWindow) -> list[Route]:
 
     async def page(request: Request) -> Response:
         body, media = files[request.url.path]
-        return Response(body, media_type=media, headers={"Cache-Control": "no-cache"})
+        return Response(body, media_type=media, headers=PAGE_HEADERS)
 
     async def live(request: Request) -> Response:
         return JSONResponse(snapshot(deployment, window),

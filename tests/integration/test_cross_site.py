@@ -1,6 +1,7 @@
 """What a web page the user visits can make a local server do, against a real ``laya serve``
 on 127.0.0.1 with no API key (the default): its requests a browser sends without asking
-(text/plain, forms, multipart) get 415, and a DNS-rebinding page's Host gets 403. JSON
+(text/plain, forms, multipart) get 415, a DNS-rebinding page's Host gets 403, and the live
+page carries the headers that keep it from being framed or fed foreign scripts. JSON
 clients (httpx, the openai SDK, curl's -H) and the server's own names keep working.
 """
 
@@ -14,6 +15,7 @@ import httpx
 import openai
 import pytest
 from conftest import ServerProcess
+from playwright.sync_api import sync_playwright
 
 EVIL = {"Origin": "http://evil"}
 CHAT = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
@@ -24,6 +26,8 @@ BODIES = {  # what each JSON endpoint would accept as JSON
     "/tokenize": {"model": "smollm2", "prompt": "Hi"},
     "/detokenize": {"model": "smollm2", "tokens": [1]},
 }
+PAGE_FILES = ("/", "/dashboard", "/dashboard/app.js", "/dashboard/app.css")
+CHROMIUM = "/usr/bin/chromium"
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +127,39 @@ def test_a_request_without_host_is_served(server: ServerProcess) -> None:
         while chunk := sock.recv(65536):
             reply += chunk
     assert reply.startswith(b"HTTP/1.1 200") and b'"smollm2"' in reply, reply[:300]
+
+
+@pytest.mark.parametrize("path", PAGE_FILES)
+def test_the_page_cannot_be_framed_or_sniffed(server: ServerProcess, path: str) -> None:
+    r = httpx.get(server.url + path)
+    assert r.status_code == 200
+    assert r.headers["x-frame-options"] == "DENY"
+    assert r.headers["x-content-type-options"] == "nosniff"
+    policy = {d.split()[0]: d.split()[1:] for d in
+              r.headers["content-security-policy"].split(";")}
+    assert policy["frame-ancestors"] == ["'none'"] and policy["default-src"] == ["'none'"]
+    assert policy["script-src"] == ["'self'"] and policy["connect-src"] == ["'self'"]
+    assert policy["style-src"] == ["'self'"]
+
+
+def test_the_page_runs_under_its_policy_in_a_browser(server: ServerProcess) -> None:
+    """Chromium reports no policy violation, and the bars (whose widths app.js sets through
+    the DOM, not in style attributes) have their widths."""
+    messages: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM)
+        try:
+            page = browser.new_page()
+            page.on("console", lambda m: messages.append(m.text))
+            page.on("pageerror", lambda e: messages.append(str(e)))
+            page.goto(server.url + "/")
+            page.wait_for_selector(".replica[data-model=smollm2] .bar .weights")
+            width = page.eval_on_selector(".replica[data-model=smollm2] .bar .weights",
+                                          "el => el.getBoundingClientRect().width")
+            left = page.eval_on_selector(".replica[data-model=smollm2] .bar .rss",
+                                         "el => el.style.left")
+        finally:
+            browser.close()
+    assert width > 0 and left.endswith("%")
+    assert not [m for m in messages if "Content Security Policy" in m], messages
+    assert not messages, messages

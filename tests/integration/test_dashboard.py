@@ -154,7 +154,7 @@ def test_a_chat_reply_streams_shows_its_timing_and_stop_frees_the_sequence(
     page.fill("#chat-input", "Write a long story about a lighthouse keeper.")
     page.click("#chat-send")
     reply = page.locator(".msg.assistant").last
-    page.wait_for_function("document.querySelectorAll('.msg.assistant .text')"
+    page.wait_for_function("() => document.querySelectorAll('.msg.assistant .text')"
                            "[document.querySelectorAll('.msg.assistant').length - 1]"
                            ".textContent.length > 10")
     assert live(server)["models"][0]["replicas"][0]["running"] == 1
@@ -234,7 +234,7 @@ def test_kv_use_rises_under_64_streams_and_falls_back_while_updates_keep_flowing
         if later:
             assert later[0] > n0, updates
     page.wait_for_function(
-        "document.querySelector(\".replica [data-field=blocks_used]\").textContent === '0'"
+        "() => document.querySelector(\".replica [data-field=blocks_used]\").textContent === '0'"
         " && document.querySelector(\".replica [data-field=running]\").textContent === '0'",
         timeout=10_000)
     assert page.locator(".latency [data-layer=decode] td").nth(1).inner_text() != "-"

@@ -91,6 +91,7 @@ function render(snap) {
   $("status").textContent = snap.ready ? "ready" : "loading";
   renderMemory(snap);
   $("models").innerHTML = snap.models.map(renderModel).join("");
+  placeBars();
   let kvUsed = 0, kvTotal = 0, tps = 0;
   for (const m of snap.models) {
     tps += m.latency.tokens_per_s;
@@ -116,10 +117,18 @@ function renderMemory(snap) {
       ${bytesCell("front_end_rss_bytes", snap.front_end_rss_bytes)}
       ${bytesCell("measured_bytes", measured)}</tr></table>
     <div class="bar" title="the plan against the budget (the whole bar)">
-      <span class="weights" style="width:${pct(m.planned_bytes, scale)}%"></span>
-      <span class="rss" style="left:${pct(measured, scale)}%"></span></div>
+      <span class="weights" data-width="${pct(m.planned_bytes, scale)}"></span>
+      <span class="rss" data-left="${pct(measured, scale)}"></span></div>
     <div class="legend"><span class="sw weights"></span>planned<span class="sw rss"></span>RSS, all
       processes; the whole bar: ${fmtBytes(scale)}</div>`;
+}
+
+// The bars' widths and marks travel as data-width / data-left (percent) and are set through
+// the DOM: the page's Content-Security-Policy (laya_core/http/live.py) refuses inline style
+// attributes.
+function placeBars() {
+  for (const el of document.querySelectorAll("[data-width]")) el.style.width = el.dataset.width + "%";
+  for (const el of document.querySelectorAll("[data-left]")) el.style.left = el.dataset.left + "%";
 }
 
 function pct(n, of) { return of ? Math.max(0, Math.min(100, 100 * n / of)) : 0; }
@@ -133,13 +142,13 @@ function ledgerBar(r) {
   const kvShare = r.kv.blocks_total ? l.kv_pool_bytes / r.kv.blocks_total : 0;
   const used = r.kv.blocks_used * kvShare, cached = r.kv.blocks_cached * kvShare;
   const rss = r.rss_bytes === null ? "" :
-    `<span class="rss" style="left:${pct(r.rss_bytes, scale)}%" title="RSS ${fmtBytes(r.rss_bytes)}"></span>`;
+    `<span class="rss" data-left="${pct(r.rss_bytes, scale)}" title="RSS ${fmtBytes(r.rss_bytes)}"></span>`;
   return `<div class="bar" title="the ledger; the whole bar: ${fmtBytes(scale)}">
-    <span class="weights" style="width:${pct(l.weights_bytes, scale)}%"></span>
-    <span class="kv" style="width:${pct(used, scale)}%"></span>
-    <span class="kvcached" style="width:${pct(cached, scale)}%"></span>
-    <span class="kvfree" style="width:${pct(l.kv_pool_bytes - used - cached, scale)}%"></span>
-    <span class="over" style="width:${pct(l.overhead_bytes, scale)}%"></span>${rss}</div>`;
+    <span class="weights" data-width="${pct(l.weights_bytes, scale)}"></span>
+    <span class="kv" data-width="${pct(used, scale)}"></span>
+    <span class="kvcached" data-width="${pct(cached, scale)}"></span>
+    <span class="kvfree" data-width="${pct(l.kv_pool_bytes - used - cached, scale)}"></span>
+    <span class="over" data-width="${pct(l.overhead_bytes, scale)}"></span>${rss}</div>`;
 }
 
 function renderReplica(m, r) {
