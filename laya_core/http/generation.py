@@ -22,6 +22,7 @@ from laya_core.http.errors import APIError, invalid
 from laya_core.http.requests import ChatRequest, CompletionRequest, GenerationRequest
 from laya_core.router import NoRouteError, prefix_hashes
 from laya_core.stream import GenerationStream
+from laya_core.template_sandbox import TemplateUnavailableError
 from laya_core.types import FinishReason, Sample, SamplingParams, Timing, TokenEvent
 
 QUEUE_RETRY_AFTER_S = 2
@@ -108,7 +109,12 @@ def _prompts(deployment: Deployment, request: ChatRequest | CompletionRequest,
     """Token ids of each prompt, with its text (for echo). Blocking: rendering a chat
     template and tokenizing megabytes take time, so ``start`` runs this on a worker thread."""
     if isinstance(request, ChatRequest):
-        return [(deployment.chat_prompt(client, request.messages, tools=request.tools), None)]
+        try:
+            return [(deployment.chat_prompt(client, request.messages, tools=request.tools),
+                     None)]
+        except TemplateUnavailableError as e:  # the renderer, not the template: retry
+            raise APIError(503, str(e), code="template_unavailable",
+                           retry_after=QUEUE_RETRY_AFTER_S) from None
     out: list[tuple[list[int], str | None]] = []
     tokenizer = client.tokenizer()
     for i, prompt in enumerate(request.prompts):

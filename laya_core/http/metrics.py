@@ -81,6 +81,7 @@ class DeploymentCollector:
             rejected.add_metric([model, "", reason], count)
         yield from (running, waiting, usage, gpu_usage, used, capacity, cached, queries, hits,
                     hit_seqs, success, rejected, up, restarts)
+        yield from _sandbox(d)
         if d.plan is not None:
             budget = GaugeMetricFamily("laya:memory_budget_bytes", "The memory budget in force.")
             budget.add_metric([], d.plan.budget.bytes)
@@ -92,6 +93,19 @@ class DeploymentCollector:
             for r in d.plan.replicas:
                 pool.add_metric([r.model, str(r.replica)], r.kv_pool_bytes)
             yield from (budget, planned, pool)
+
+
+def _sandbox(d: Deployment) -> Iterator[Metric]:
+    """The chat-template sandbox's child process (laya_core/template_sandbox.py)."""
+    up = GaugeMetricFamily("laya:template_sandbox_up",
+                           "1 while the chat-template sandbox can render; 0 while its child "
+                           "process is dead and not yet replaced.")
+    up.add_metric([], 1 if d.templates.up else 0)
+    restarts = CounterMetricFamily("laya:template_sandbox_restarts",
+                                   "Times the chat-template sandbox's child was replaced: it "
+                                   "died, stopped answering, or a render broke a bound.")
+    restarts.add_metric([], d.templates.num_restarts)
+    yield from (up, restarts)
 
 
 def metrics_registry(deployment: Deployment) -> CollectorRegistry:

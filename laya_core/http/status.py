@@ -34,4 +34,5 @@ def deployment_status(d: Deployment) -> dict[str, Any]:
     rejections: dict[str, dict[str, int]] = {}
     for (model, reason), count in d.rejections.items():
         rejections.setdefault(model, {})[reason] = count
-    return {"replicas": replicas, "memory": memory, "rejections": rejections}
+    return {"replicas": replicas, "memory": memory, "rejections": rejections,
+            "template_sandbox": d.templates.status()}
