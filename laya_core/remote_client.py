@@ -6,8 +6,9 @@ elsewhere and speaks :mod:`laya_core.worker`'s protocol. It keeps the request ta
 a request as the engine would before sending it, turns acks, refusals and each step's
 events into the streams' events (one ``call_soon_threadsafe`` per event loop and message),
 and ends every request at once when the replica is lost. A subclass supplies ``_send``
-(False when the message cannot leave), a ``_supervise`` loop run on its own thread, and
-``runtime``.
+(False when the message cannot leave; it must never wait on the replica, since the event
+loop calls it: a stopped replica stops reading), a ``_supervise`` loop run on its own
+thread, and ``runtime``.
 """
 
 from __future__ import annotations
