@@ -21,6 +21,7 @@ from laya_core.types import Sample, SamplingParams
 
 if TYPE_CHECKING:
     from laya_core.allowed_tokens import AllowedTokens
+    from laya_core.embeddings import EmbedPlan
     from laya_core.memory_plan import MemoryProfile
     from laya_core.model_files import ModelShape
 
@@ -136,6 +137,12 @@ class Backend(abc.ABC):
     # Whether ``embed`` computes embeddings (``/v1/embeddings``); requests for a model whose
     # backend does not are refused with a 400 naming the model.
     supports_embeddings: ClassVar[bool] = False
+    # Whether ``embed_step`` takes an input in chunks over several calls; one that only
+    # implements ``embed`` gets whole inputs, one per call.
+    embeds_in_chunks: ClassVar[bool] = False
+    # How many inputs ``embed_step`` may hold at once (its embedding sequences); set by
+    # ``allocate_kv`` where the memory it allocates decides it.
+    max_embed_inputs: int = 1
     # The keys ``[models.options]`` may hold for this backend; anything else is a manifest error.
     option_names: ClassVar[frozenset[str]] = frozenset()
 
@@ -230,6 +237,21 @@ class Backend(abc.ABC):
         scratch KV of its own) is allocated by ``allocate_kv`` and counted by
         ``memory_profile`` as an ``embeddings`` line."""
         raise NotImplementedError(f"the {self.name} backend cannot compute embeddings")
+
+    def embed_step(self, plan: EmbedPlan) -> Sequence[Sequence[float] | None]:
+        """One embedding pass (laya_core/embed_queue.py plans it after each step, in what
+        the step left of ``max_step_tokens``): forget ``plan.dropped``, then feed every
+        chunk of ``plan.chunks`` as one batch. Returns, per chunk, the input's pooled
+        vector (as ``embed`` does) where ``chunk.last``, else None.
+
+        A chunk continues its embedding sequence (``chunk.seq``) at ``chunk.start``; the
+        sequences are the backend's own (below ``max_embed_inputs``), and the inputs begun
+        at once hold at most ``max_seq_len`` tokens together. A sequence is free once its
+        last chunk is in, or once dropped (which may name a sequence already forgotten).
+        If it raises, the plan's inputs are dropped in the next plan. Without
+        ``embeds_in_chunks`` each chunk is a whole input, one per plan, and this default
+        runs ``embed`` on it."""
+        return [self.embed(chunk.tokens) for chunk in plan.chunks]
 
     def load_tokenizer(self) -> Tokenizer | None:
         """The model's tokenizer without its weights, on an instance that was never loaded:

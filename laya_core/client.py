@@ -78,6 +78,8 @@ class ReplicaState:
     rejections: Mapping[str, int]  # requests refused, by reason
     # Tokens sampled since the replica (its worker, after a restart) started.
     generated_tokens: int = 0
+    # Input tokens fed to embedding passes since then (a cancelled request's stop growing).
+    embedded_tokens: int = 0
 
     @property
     def ready(self) -> bool:
@@ -136,7 +138,8 @@ class EngineClient(abc.ABC):
     async def embed(self, inputs: Sequence[Sequence[int]]) -> Embeddings:
         """The unit-length embedding of each input (token ids, each at most max_seq_len and
         inside the vocabulary). Raises :class:`EmbeddingsUnsupportedError` where the backend
-        cannot embed, and what ``submit`` raises (see the module's docstring)."""
+        cannot embed, and what ``submit`` raises (see the module's docstring). Cancelling
+        the call (its HTTP client went away) stops the replica's work on it."""
         raise EmbeddingsUnsupportedError(f"{self.model} replica {self.replica_id} cannot "
                                          "compute embeddings")
 
@@ -160,7 +163,7 @@ class LocalEngineClient(EngineClient):
             kv_cached_tokens=e.kv_cached_tokens,
             prefix_queried_tokens=e.prefix_queried_tokens,
             prefix_tokens_reused=e.prefix_tokens_reused, prefix_hits=e.prefix_hits,
-            generated_tokens=e.generated_tokens,
+            generated_tokens=e.generated_tokens, embedded_tokens=e.embedded_tokens,
             finished=dict(e.finished), rejections=dict(e.rejections))
 
     def info(self) -> ReplicaInfo:
@@ -208,5 +211,6 @@ class LocalEngineClient(EngineClient):
         return self._engine.backend.supports_embeddings and self._engine.config.embeddings
 
     async def embed(self, inputs: Sequence[Sequence[int]]) -> Embeddings:
-        # The job keeps lists of its own: nothing the caller holds is read on the engine thread.
+        # The job keeps lists of its own: nothing the caller holds is read on the engine
+        # thread. A cancel of this call cancels the engine's future, which tells the engine.
         return await self._engine.embed([list(ids) for ids in inputs])

@@ -7,10 +7,13 @@ decoder's last position has read). The core normalizes it to unit length, in flo
 hands it to the HTTP side as little-endian float32 bytes: immutable, and already what
 ``encoding_format = "base64"`` sends.
 
-Embedding work runs on the replica's engine thread between two steps, one input at a time
-(:class:`EmbedJob`), never beside a step: the two would share the backend's weights and
-the same cores, and on a CPU two thread pools on the same cores slow each other down many
-times over (docs/architecture.md, "Threads").
+Embedding work runs on the replica's engine thread, after each step, in an
+:class:`EmbedPlan` of its own that takes what the step left of its token budget
+(``laya_core/embed_queue.py``): the inputs of every waiting request, cut into chunks and
+batched, so that a decoding sequence waits at most one step's worth of embedding. Never
+beside a step: the two would share the backend's weights and the same cores, and on a CPU
+two thread pools on the same cores slow each other down many times over
+(docs/architecture.md, "Threads").
 """
 
 from __future__ import annotations
@@ -72,6 +75,17 @@ def unit_float32(vector: Any) -> bytes:
     return v.astype("<f4").tobytes()
 
 
+def pooled_rows(pooling: str, start: int, num_tokens: int, last: bool) -> range:
+    """The rows of a chunk (``num_tokens`` tokens from position ``start``) whose hidden
+    states ``pooling`` sums: every row for mean, the input's first token for cls, its last
+    token for last."""
+    if pooling == "mean":
+        return range(num_tokens)
+    if pooling == "cls":
+        return range(1 if start == 0 else 0)
+    return range(num_tokens - 1, num_tokens) if last else range(0)
+
+
 @attrs.frozen
 class Embeddings:
     """What an embed request produced: one unit vector per input, in order."""
@@ -80,30 +94,83 @@ class Embeddings:
     num_tokens: int  # the inputs' tokens, all of them
 
 
-@attrs.define
+@attrs.frozen
+class EmbedChunk:
+    """Tokens of one input to feed: positions ``start`` on, of the backend's embedding
+    sequence ``seq`` (0 <= seq < ``Backend.max_embed_inputs``), whose earlier chunks came
+    in earlier plans. ``last``: the input ends here, so its pooled vector is wanted and
+    ``seq`` is free afterwards."""
+
+    seq: int
+    tokens: tuple[int, ...]
+    start: int
+    last: bool
+
+
+@attrs.frozen
+class EmbedPlan:
+    """One embedding pass (``Backend.embed_step``): the sequences to forget first (inputs
+    whose request went away, maybe never seen or already forgotten by the backend), then
+    the chunks, in order, as one batch."""
+
+    chunks: tuple[EmbedChunk, ...]
+    dropped: tuple[int, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.tokens) for c in self.chunks)
+
+
+def embed_whole(embed_step: Callable[[EmbedPlan], Sequence[Any]], token_ids: Sequence[int],
+                chunk_tokens: int) -> Any:
+    """One input's pooled vector through ``embed_step`` (a backend's), in chunks of
+    ``chunk_tokens``: ``Backend.embed`` for a backend that embeds in chunks."""
+    ids, out = tuple(token_ids), None
+    for start in range(0, len(ids), chunk_tokens):
+        chunk = ids[start:start + chunk_tokens]
+        (out,) = embed_step(EmbedPlan((EmbedChunk(0, chunk, start,
+                                                  start + len(chunk) == len(ids)),)))
+    return out
+
+
+@attrs.define(eq=False)
 class EmbedJob:
-    """One embed request on its way through the engine thread: its inputs, computed one
-    per turn between steps, and the future that gets the result on the caller's loop."""
+    """One embed request on its way through the engine thread: its inputs, planned by the
+    replica's :class:`~laya_core.embed_queue.EmbedQueue`, and the future that gets the
+    result on the caller's loop."""
 
     inputs: Sequence[Sequence[int]]
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[Embeddings]
-    vectors: list[bytes] = attrs.field(factory=list)
+    vectors: list[bytes | None] = attrs.field()
+    num_admitted: int = 0  # inputs handed to the backend so far (the next one's index)
+    num_done: int = 0
+    failed: bool = False
+
+    @vectors.default
+    def _no_vectors(self) -> list[bytes | None]:
+        return [None] * len(self.inputs)
 
     @property
     def done(self) -> bool:
-        return len(self.vectors) == len(self.inputs) or self.future.cancelled()
+        return self.num_done == len(self.inputs) or self.failed or self.future.cancelled()
 
-    def run_next(self, embed: Callable[[Sequence[int]], Any]) -> None:
-        """Embed the next input with ``embed`` (the backend's); on the engine thread."""
+    def finish_input(self, index: int, vector: Any) -> None:
+        """Input ``index``'s pooled vector is in; on the engine thread."""
         try:
-            self.vectors.append(unit_float32(embed(self.inputs[len(self.vectors)])))
-        except Exception as e:  # noqa: BLE001 - the request fails, the replica serves on
-            self.resolve(RuntimeError(f"embedding failed: {type(e).__name__}: {e}"))
-            self.vectors = [b""] * len(self.inputs)
+            self.vectors[index] = unit_float32(vector)
+        except ValueError as e:
+            self.fail(RuntimeError(f"embedding failed: {e}"))
             return
-        if len(self.vectors) == len(self.inputs):
-            self.resolve(Embeddings(tuple(self.vectors), sum(map(len, self.inputs))))
+        self.num_done += 1
+        if self.num_done == len(self.inputs):
+            vectors = tuple(v for v in self.vectors if v is not None)
+            self.resolve(Embeddings(vectors, sum(map(len, self.inputs))))
+
+    def fail(self, error: BaseException) -> None:
+        if not self.failed:
+            self.failed = True
+            self.resolve(error)
 
     def resolve(self, outcome: Embeddings | BaseException) -> None:
         """Hand ``outcome`` to the caller's loop (a result, or an error to raise)."""
@@ -119,3 +186,10 @@ class EmbedJob:
             self.loop.call_soon_threadsafe(settle)
         except RuntimeError:  # the loop is closed: nobody waits for this request
             pass
+
+
+@attrs.frozen(eq=False)
+class EmbedCancel:
+    """For the engine's inbox: ``job``'s caller went away; what is left of it is dropped."""
+
+    job: EmbedJob

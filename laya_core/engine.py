@@ -8,7 +8,6 @@ into its request's asyncio queue: the loop wakes once per step, not once per tok
 from __future__ import annotations
 
 import asyncio
-import collections
 import enum
 import itertools
 import logging
@@ -21,7 +20,8 @@ from typing import Protocol
 from laya_core.allowed_tokens import TokenConstraint
 from laya_core.backend import Backend, ModelConfig, ModelInfo
 from laya_core.detokenizer import IncrementalDetokenizer
-from laya_core.embeddings import Embeddings, EmbeddingsUnsupportedError, EmbedJob
+from laya_core.embed_queue import EmbedQueue, embed_budget
+from laya_core.embeddings import EmbedCancel, Embeddings, EmbeddingsUnsupportedError, EmbedJob
 from laya_core.kv_cache import KVCache, KVOp
 from laya_core.live import Live
 from laya_core.memory_plan import scored_tokens_per_step, sizes_for
@@ -96,10 +96,12 @@ class Engine:
         self.sizes: ModelConfig | None = None  # the config with its pool sizes decided
         self.scheduler: Scheduler | None = None
         # What the engine thread is asked: a request to add, a sequence id to cancel, an
-        # embed request, or None to stop.
-        self._inbox: queue.SimpleQueue[Live | int | EmbedJob | None] = queue.SimpleQueue()
-        # Embed requests, run one input at a time between steps (laya_core/embeddings.py).
-        self._embed_jobs: collections.deque[EmbedJob] = collections.deque()
+        # embed request or its cancel, or None to stop.
+        self._inbox: queue.SimpleQueue[Live | int | EmbedJob | EmbedCancel | None] = \
+            queue.SimpleQueue()
+        # Embed requests, fed after each step in what it left of the step's token budget
+        # (laya_core/embed_queue.py); made at load, when the backend's limits are known.
+        self._embeds: EmbedQueue | None = None
         self._live: dict[int, Live] = {}
         # Events of this step, by the event loop that reads them; see _flush.
         self._outbox: dict[asyncio.AbstractEventLoop,
@@ -113,6 +115,8 @@ class Engine:
         self.prefix_tokens_reused = 0
         self.prefix_hits = 0
         self.generated_tokens = 0  # tokens sampled for all sequences, for a live tokens/s
+        self.embedded_tokens = 0  # input tokens fed to the backend's embedding passes
+        self.embed_passes = 0  # the backend's embed_step calls
         # Sequences ended, by reason (refused ones are in ``rejections``); written by the
         # engine thread only.
         self.finished: dict[FinishReason, int] = dict.fromkeys(_COUNTED_FINISHES, 0)
@@ -172,7 +176,8 @@ class Engine:
               loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Future[Embeddings]:
         """Queue an embed request (token ids per input); call from the event loop that
         awaits the future. It waits in the same queue as generation requests, and runs on
-        the engine thread between steps, one input at a time."""
+        the engine thread after each step, in what the step left of its token budget.
+        Cancelling the future (its caller went away) drops what is left of it."""
         if self.state is not EngineState.READY:
             raise EngineUnavailableError(
                 f"{self.config.name} replica {self.replica_id} is {self.state.value}")
@@ -193,6 +198,12 @@ class Engine:
         loop = loop or asyncio.get_running_loop()
         job = EmbedJob(inputs, loop, loop.create_future())
         self._inbox.put(job)
+
+        def cancelled(future: asyncio.Future[Embeddings]) -> None:
+            if future.cancelled():
+                self._inbox.put(EmbedCancel(job))
+
+        job.future.add_done_callback(cancelled)
         return job.future
 
     def _take_place(self) -> None:
@@ -281,6 +292,8 @@ class Engine:
         sched_config = SchedulerConfig(
             num_seqs, step_tokens, max_scored_tokens=scored_tokens_per_step(step_tokens))
         self.scheduler = self._scheduler_cls(sched_config, kv)
+        self._embeds = EmbedQueue(self.max_seq_len, self.backend.max_embed_inputs,
+                                  self.backend.embeds_in_chunks, self._dequeued)
         if self._on_loaded is not None:
             self._on_loaded(self)
 
@@ -296,10 +309,10 @@ class Engine:
         self.state = EngineState.READY
         self._ready.set()
         try:
-            while self._drain_inbox(block=not (self.scheduler.has_work  # type: ignore[union-attr]
-                                                or self._embed_jobs)):
-                self._step()
-                self._embed_next()
+            assert self.scheduler is not None and self._embeds is not None
+            while self._drain_inbox(block=not (self.scheduler.has_work
+                                               or self._embeds.has_work)):
+                self._embed_next(self._step())
         except Exception as e:  # noqa: BLE001 - a plugin's fault fails this replica only
             self._fail(e)
         finally:
@@ -307,8 +320,8 @@ class Engine:
                 self.state = EngineState.STOPPED
                 for live in list(self._live.values()):
                     self._finish(live, FinishReason.CANCELLED, "")
-            for job in self._embed_jobs:
-                job.resolve(EngineUnavailableError(self.error or "the replica stopped"))
+            if self._embeds is not None:
+                self._embeds.fail_all(EngineUnavailableError(self.error or "the replica stopped"))
             self._flush()
             self.backend.close()
 
@@ -322,9 +335,8 @@ class Engine:
         self.state = EngineState.FAILED
         lives = list(self._live.values())
         self._live.clear()
-        for job in self._embed_jobs:
-            job.resolve(EngineUnavailableError(self.error))
-        self._embed_jobs.clear()
+        if self._embeds is not None:
+            self._embeds.fail_all(EngineUnavailableError(self.error))
         while True:
             for live in lives:
                 seq = live.seq
@@ -337,7 +349,7 @@ class Engine:
             if payload is None:
                 return
             if isinstance(payload, EmbedJob):
-                payload.resolve(EngineUnavailableError(self.error))
+                payload.fail(EngineUnavailableError(self.error))
             lives = [payload] if isinstance(payload, Live) else []
 
     def _emit(self, live: Live, event: TokenEvent) -> None:
@@ -366,24 +378,32 @@ class Engine:
             if isinstance(payload, Live):
                 self._add(payload)
             elif isinstance(payload, EmbedJob):
-                self._embed_jobs.append(payload)
+                assert self._embeds is not None
+                self._embeds.add(payload)
+            elif isinstance(payload, EmbedCancel):
+                assert self._embeds is not None
+                self._embeds.cancel(payload.job)
             elif (live := self._live.get(payload)) is not None:
                 self._finish(live, FinishReason.CANCELLED, "")
 
-    def _embed_next(self) -> None:
-        """Embed the next input of the oldest embed request, between two steps: a step's
-        tokens wait at most one input's forward pass (at most max_seq_len tokens)."""
-        jobs = self._embed_jobs
-        while jobs and jobs[0].done:  # cancelled while it waited
-            jobs.popleft()
-            self._dequeued()
-        if not jobs:
+    def _embed_next(self, step_tokens: int) -> None:
+        """One embedding pass after a step of ``step_tokens``, in what it left of the step's
+        token budget (at least a quarter of it): a decoding sequence waits at most
+        max_step_tokens of embedding work between two of its tokens."""
+        assert self._embeds is not None and self.sizes is not None
+        plan = self._embeds.plan(embed_budget(self.sizes.max_step_tokens, step_tokens))
+        if plan is None:
             return
         self._flush()  # this step's tokens go out before the embedding runs
-        jobs[0].run_next(self.backend.embed)
-        if jobs[0].done:
-            jobs.popleft()
-            self._dequeued()
+        self.embed_passes += 1
+        self.embedded_tokens += plan.num_tokens
+        try:
+            vectors = self.backend.embed_step(plan)
+        except Exception as e:  # noqa: BLE001 - those requests fail, the replica serves on
+            log.exception("embedding failed")
+            self._embeds.failed(plan, RuntimeError(f"embedding failed: {type(e).__name__}: {e}"))
+            return
+        self._embeds.computed(plan, vectors)
 
     def _add(self, live: Live) -> None:
         assert self.scheduler is not None
@@ -436,7 +456,8 @@ class Engine:
                 self.rejections[reason] += 1
             self._finish(self._live[seq.seq_id], FinishReason.REJECTED, "", why)
 
-    def _step(self) -> None:
+    def _step(self) -> int:
+        """Plan and run one step; returns the tokens it fed."""
         assert self.scheduler is not None
         if self.scheduler.waiting:
             deadline = time.perf_counter() - self.config.queue_timeout_s
@@ -455,8 +476,9 @@ class Engine:
         chunks = [c for c in plan.chunks if c.seq.seq_id in self._live]
         if not chunks:
             self._flush()
-            return
+            return 0
         items = [c.item() for c in chunks]
+        num_tokens = sum(len(item.tokens) for item in items)
         # The previous step's tokens and this step's admissions go out just before the model
         # runs: the model call releases the GIL, so the event loop formats and sends them
         # while it runs instead of holding the GIL between two steps (measured at concurrency
@@ -469,7 +491,7 @@ class Engine:
             for c in chunks:
                 self._finish(self._live[c.seq.seq_id], FinishReason.ERROR, "",
                              f"{type(e).__name__}: {e}")
-            return
+            return num_tokens
         for c, result in zip(chunks, sampled, strict=True):
             c.seq.num_computed += len(c.tokens)
             self.scheduler.kv.computed(c.seq)
@@ -481,6 +503,7 @@ class Engine:
                 self._on_token(live, result.sample)
         if not self.scheduler.has_work:
             self._flush()  # no next step to carry them
+        return num_tokens
 
     def _on_token(self, live: Live, sample: Sample) -> None:
         assert self.info is not None

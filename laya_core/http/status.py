@@ -23,6 +23,7 @@ def deployment_status(d: Deployment) -> dict[str, Any]:
             "kv_cache_cached_tokens": s.kv_cached_tokens,
             "prefix_cache_hits": s.prefix_hits,
             "prefix_cache_tokens_reused": s.prefix_tokens_reused,
+            "embedded_tokens": s.embedded_tokens,
             "kv_pool_bytes": ledger.kv_pool_bytes if ledger else None,
             "rejections": dict(s.rejections),
             "runtime": client.runtime(),
