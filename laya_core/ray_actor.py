@@ -4,7 +4,7 @@
 (``ray.remote`` with the replica's resources), so this module imports no Ray. Its
 ``__init__`` loads the engine (Ray runs it again when it restarts the actor), then serves
 the worker's protocol on an asyncio loop of its own thread: ``send(message)`` hands the
-front end's submit, cancel, embed or stop to that loop, and ``events(timeout_s)`` returns
+front end's submit, cancel, embed, embed_cancel or stop to that loop, and ``events(timeout_s)`` returns
 every message since the last call (acks, refusals, one ``("events", ...)`` per engine step,
 embeddings, state), waiting up to ``timeout_s`` for the first. The front end keeps one such
 long poll in flight per replica, so a busy replica costs one round trip per poll, never a

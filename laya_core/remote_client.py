@@ -183,7 +183,13 @@ class RemoteEngineClient(EngineClient):
             with self._lock:
                 self._embeds.pop(rid, None)
             raise EngineUnavailableError(f"{self.model} replica {self.replica_id} is down")
-        result, kind, message, param = await future
+        try:
+            result, kind, message, param = await future
+        except asyncio.CancelledError:  # the caller went away: so does the replica's work
+            with self._lock:
+                self._embeds.pop(rid, None)
+            self._send(("embed_cancel", rid))
+            raise
         if kind is not None:
             raise refused(kind, message, param)
         assert isinstance(result, Embeddings)

@@ -10,7 +10,8 @@ Front end to worker:
 
 - ``("init", ModelConfig, replica_id, plugin_specs)``, first and once;
 - ``("submit", rid, prompt_token_ids, SamplingParams, ConstraintSpec | None)``;
-- ``("cancel", rid)``, ``("embed", rid, inputs)``, ``("stop",)``.
+- ``("cancel", rid)``, ``("embed", rid, inputs)``, ``("embed_cancel", rid)`` (its caller
+  went away: the engine drops what is left of it, and nothing is sent back), ``("stop",)``.
 
 Worker to front end:
 
@@ -168,6 +169,7 @@ class _Worker:
         self.loop = asyncio.get_running_loop()
         self.streams: dict[int, Any] = {}
         self._cancelled: set[int] = set()  # cancels that came before their submit ran
+        self.embeds: dict[int, asyncio.Future[None]] = {}  # embed requests under way
         self._outbox: list[tuple[int, TokenEvent]] = []
         self._flush_due = False
         self._last_sent = time.monotonic()
@@ -206,7 +208,11 @@ class _Worker:
             else:
                 self._cancelled.add(message[1])
         elif kind == "embed":
-            asyncio.ensure_future(self._embed(*message[1:]))
+            self.embeds[message[1]] = asyncio.ensure_future(self._embed(*message[1:]))
+        elif kind == "embed_cancel":
+            task = self.embeds.pop(message[1], None)
+            if task is not None:  # cancels the engine's future, which tells the engine
+                task.cancel()
         elif kind == "stop":
             self.done.set()
 
@@ -230,9 +236,13 @@ class _Worker:
     async def _embed(self, rid: int, inputs: list[list[int]]) -> None:
         try:
             result = await self.engine.embed(inputs)
+        except asyncio.CancelledError:  # embed_cancel: the front end has forgotten it
+            return
         except Exception as e:  # noqa: BLE001 - the front end raises the matching error
             self.send(("embedded", rid, None, *refusal_of(e)))
             return
+        finally:
+            self.embeds.pop(rid, None)
         self.send(("embedded", rid, result, None, None, None))
 
     async def heartbeat(self) -> None:
