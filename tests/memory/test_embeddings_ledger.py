@@ -68,6 +68,7 @@ import sys
 sys.path.insert(0, {tests!r})
 from test_embeddings_ledger import config, resident
 from laya_backend_llamacpp.backend import LlamaCppBackend
+from laya_core.embeddings import EmbedChunk, EmbedPlan
 
 backend = LlamaCppBackend(config("llamacpp"))
 backend.load_weights()
@@ -78,6 +79,9 @@ first = backend._embed_ctx, backend._embed_batch
 before = resident()
 backend.allocate_embedder()  # a second one beside it: what one context costs
 backend.embed(list(range(200, 1224)))
+# and a batch of one-token inputs, each a sequence of its own, as many as it takes at once
+backend.embed_step(EmbedPlan(tuple(EmbedChunk(s, (300 + s,), 0, True)
+                                   for s in range(backend.max_embed_inputs))))
 print(resident() - before)
 backend._ll.llama_free(first[0])
 backend._ll.llama_batch_free(first[1])
@@ -86,8 +90,9 @@ backend.close()
 
 
 def test_llamacpp_embedding_context_is_what_the_line_says() -> None:
-    """The context's RSS, measured once it has embedded a full-length input (weights
-    already resident), within 10% of the line: 75 MiB at max_seq_len 1024 (AMD EPYC)."""
+    """The context's RSS, measured once it has embedded a full-length input and a batch
+    of one-token inputs (weights already resident), within 10% of the line: 75 MiB at
+    max_seq_len 1024 (AMD EPYC)."""
     cfg = config("llamacpp")
     script = _MEASURE_CONTEXT.format(tests=str(Path(__file__).parent))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
