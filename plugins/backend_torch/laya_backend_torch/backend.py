@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem, StepResult
-from laya_core.embeddings import DEFAULT_POOLING
+from laya_core.embeddings import DEFAULT_POOLING, EmbedPlan, embed_whole, pooled_rows
 from laya_core.memory_plan import MemoryProfile
 from laya_core.model_files import ModelShape, read_shape
 from laya_core.threads import ThreadGovernor
@@ -38,6 +38,7 @@ class TorchBackend(Backend):
     kv_cache_dtypes = ("f32", "f16", "bf16")
     supports_prompt_logprobs = True
     supports_embeddings = True
+    embeds_in_chunks = True  # embed_step: chunks of inputs, several inputs a pass
     option_names = frozenset(options.OPTIONS)
 
     @classmethod
@@ -141,27 +142,64 @@ class TorchBackend(Backend):
         cells = memory.embed_cells(self.config)
         self._embed_pool = self._torch.zeros((pool.shape[0], cells, *pool.shape[2:]),
                                              dtype=pool.dtype, device=pool.device)
+        # embed_step: each embedding sequence's slots in the scratch and its pooled sum.
+        self._embed_free = list(range(cells - 1, -1, -1))
+        self._embed_tables: dict[int, list[int]] = {}
+        self._embed_sums: dict[int, Any] = {}
+        # A step's tokens at most, so as many one-token inputs as one pass can hold.
+        self.max_embed_inputs = self.config.max_step_tokens
 
     def embed(self, token_ids: Sequence[int]) -> Any:
         """The final norm's hidden states of ``token_ids``, pooled (``self.pooling``): the
         input prefilled in chunks of max_step_tokens, as a prompt is, into the scratch."""
+        return embed_whole(self.embed_step, token_ids, self.config.max_step_tokens)
+
+    def embed_step(self, plan: EmbedPlan) -> list[Any]:
+        """``plan``'s chunks (Backend.embed_step) in one forward pass over the scratch, each
+        as a prompt chunk of its own input. The scratch is handed out a slot per token
+        (a block table with blocks of one), so the inputs begun at once, at most
+        max_seq_len tokens together, always fit it."""
         from laya_backend_torch.model import build_batch
 
-        torch, n = self._torch, len(token_ids)
-        size, table = self.config.max_step_tokens, list(range(self._embed_pool.shape[1]
-                                                              // self._block_size))
-        pooled = torch.zeros(self._model.config.hidden_size, dtype=torch.float64)
-        with torch.inference_mode():
-            for start in range(0, n, size):
-                chunk = list(token_ids[start:start + size])
-                end = start + len(chunk)
-                rows = {"mean": range(len(chunk)), "cls": range(1 if start == 0 else 0)}.get(
-                    self.pooling, range(len(chunk) - 1, len(chunk)) if end == n else range(0))
-                batch = build_batch([(chunk, start, table)], list(rows),
-                                    self._block_size).to(self._device)
+        torch = self._torch
+        for seq in plan.dropped:
+            self._drop_embedding(seq)
+        items, rows, owners = [], [], []  # owners: the chunk of each pooled row
+        first = 0
+        for i, c in enumerate(plan.chunks):
+            table = self._embed_tables.setdefault(c.seq, [])
+            table += [self._embed_free.pop() for _ in c.tokens]
+            wanted = pooled_rows(self.pooling, c.start, len(c.tokens), c.last)
+            rows += [first + j for j in wanted]
+            owners += [i] * len(wanted)
+            items.append((list(c.tokens), c.start, table))
+            first += len(c.tokens)
+        try:
+            batch = build_batch(items, rows, 1).to(self._device)
+            with torch.inference_mode():
                 hidden = self._model.forward(batch, kv_pool=self._embed_pool, hidden=True)
-                pooled += hidden.double().sum(dim=0).cpu()
-        return (pooled / n if self.pooling == "mean" else pooled).numpy()
+            sums = torch.zeros(len(plan.chunks), hidden.shape[1], dtype=torch.float64)
+            sums.index_add_(0, torch.tensor(owners, dtype=torch.long), hidden.double().cpu())
+        except BaseException:
+            for c in plan.chunks:
+                self._drop_embedding(c.seq)
+            raise
+        out: list[Any] = []
+        for i, c in enumerate(plan.chunks):
+            pooled = self._embed_sums.pop(c.seq, 0) + sums[i]
+            if not c.last:
+                self._embed_sums[c.seq] = pooled
+                out.append(None)
+                continue
+            self._drop_embedding(c.seq)
+            n = c.start + len(c.tokens)
+            out.append((pooled / n if self.pooling == "mean" else pooled).numpy())
+        return out
+
+    def _drop_embedding(self, seq: int) -> None:
+        """Forget embedding sequence ``seq``: its scratch slots go back, its sum goes."""
+        self._embed_free += self._embed_tables.pop(seq, [])
+        self._embed_sums.pop(seq, None)
 
     def load_tokenizer(self) -> Any:
         """The tokenizer alone (the file's vocabulary; no torch import), for a front end
