@@ -2,28 +2,41 @@
 
 A :class:`GrammarCompiler` belongs to one loaded model's tokenizer. It builds llguidance's
 view of the vocabulary on first use (each token's bytes, the special tokens, the
-end-of-generation ids: 0.3 s for 49,152 tokens on AMD EPYC), then compiles each grammar
-text once and keeps the compiled matcher in a bounded LRU cache; a request gets a copy of it
-(``deep_copy``: about 1 us). Compiling runs on the caller's thread, which is never the
-engine's: the engine client calls :meth:`GrammarCompiler.constraint` from a worker thread.
+end-of-generation ids: 0.3 s for 49,152 tokens on AMD EPYC). Each new grammar text is first
+compiled and walked in the replica's child process (:mod:`laya_core.structured.sandbox`),
+where a native crash, a compile that never ends or one that needs hundreds of MiB costs that
+request a 400 and nothing else; what passes is compiled here, with the same llguidance
+limits, on a thread with a stack four times the child's, and kept in an LRU cache bounded
+in bytes: each entry counts what the child measured its matcher to hold, plus the lexer
+states it may still build (they are shared by every copy, and grow as requests use it). A
+request gets a copy of the matcher (``deep_copy``: about 1 us). Compiling blocks its caller,
+which is never the engine's thread: the engine client calls :meth:`GrammarCompiler.
+constraint` from a worker thread. One grammar text compiles once at a time; requests that
+send it meanwhile wait for that compile.
 
 A :class:`MatcherConstraint` is what the engine calls before each token the sequence
 samples (a :data:`~laya_core.allowed_tokens.TokenConstraint`): it feeds the matcher the
 tokens generated since the last call and returns the next mask. Measured for that
-vocabulary (AMD EPYC): a mask takes 17 us at the median, about 0.1 ms at p99.
+vocabulary (AMD EPYC): a mask takes 17 us at the median, about 0.1 ms at p99; the limits
+bound one mask's work to about 8 ms.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
+import queue
 import re
 import threading
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, TypeVar
 
+import attrs
 import numpy as np
 
 from laya_core.allowed_tokens import AllowedTokens
+from laya_core.structured.sandbox import CompileLimits, CompileSandbox, Refused, Vocabulary
 from laya_core.structured.spec import ConstraintSpec, GrammarError
 
 if TYPE_CHECKING:
@@ -32,14 +45,24 @@ if TYPE_CHECKING:
     from laya_core.backend import ModelInfo
     from laya_core.tokenizer import Tokenizer
 
-CACHE_SIZE = 256  # compiled grammars kept per model
+CACHE_SIZE = 256  # compiled grammars kept per model, at most
+CACHE_BYTES = 64 * 2**20  # ... and the bytes they may hold
+LEXER_STATE_BYTES = 640  # measured: 10,000 states of one regex's lexer held 5.8 MiB
+MAX_GRAMMAR_CHARS = 2**20  # a grammar's text, tools' included (the request's checks: 256 KiB)
+_STACK_FACTOR = 4  # the compile thread's stack, over the child's
 
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
+# llguidance's words when a grammar passes one of its ParserLimits.
+_LIMITS = re.compile(r"too many|too big|too large|max is|fuel|limit", re.IGNORECASE)
+T = TypeVar("T")
 
 
-def explain(param: str, error: str) -> GrammarError:
-    """llguidance's compile error as a client's: the field, and the keywords it names."""
-    error = error.strip()
+def explain(param: str, refused: Refused) -> GrammarError:
+    """Why a constraint cannot be used, as a client's error: the field, and the keywords
+    llguidance names."""
+    error = refused.reason.strip()
+    if not refused.matcher:
+        return GrammarError(param, f"'{param}' cannot be used as an output constraint: {error}")
     found = _UNIMPLEMENTED.search(error)
     if found:
         keywords = ", ".join(k.strip().strip('"') for k in found.group(1).split(","))
@@ -50,7 +73,14 @@ def explain(param: str, error: str) -> GrammarError:
         return GrammarError(param, f"'{param}' uses a regular-expression look-around "
                             "((?=...), (?!...), (?<=...) or (?<!...)), which this server "
                             f"cannot enforce ({error.splitlines()[-1].strip()})")
-    return GrammarError(param, f"'{param}' cannot be compiled into a constraint: {error}")
+    first = error.split("\n<state>")[0].strip()  # not the parser's dump of its state
+    if first == "NoExtensionBias":  # the first mask allows no token: an empty language
+        return GrammarError(param, f"'{param}' cannot be used as an output constraint: no "
+                            f"output satisfies it ({first})")
+    if _LIMITS.search(first):
+        return GrammarError(param, f"'{param}' cannot be used as an output constraint: it "
+                            f"is larger or costlier than this server's limits allow ({first})")
+    return GrammarError(param, f"'{param}' cannot be compiled into a constraint: {first}")
 
 
 class _Vocabulary:
@@ -71,8 +101,8 @@ class _Vocabulary:
         self.tokens = [specials.get(i) or tokenizer.token_bytes(i)
                        for i in range(tokenizer.vocab_size)]
         self.tokens += [b""] * max(info.vocab_size - len(self.tokens), 0)
-        eog = sorted(info.eog_token_ids)
-        self.eos_token_id = eog[0] if eog else 0
+        self.eog = sorted(info.eog_token_ids)
+        self.eos_token_id = self.eog[0] if self.eog else 0
         self.bos_token_id = None
 
     def __call__(self, text: bytes | str) -> list[int]:
@@ -81,23 +111,76 @@ class _Vocabulary:
         return self._tokenizer.encode(text, add_special=False, parse_special=False)
 
 
+@attrs.frozen
+class _Compiled:
+    matcher: Any  # llguidance.LLMatcher, the cache's own: requests get copies
+    num_bytes: int  # what it is counted as holding, now and as it grows
+
+
+class _StackThread:
+    """One thread with a stack of a chosen size, running the functions it is given."""
+
+    def __init__(self, stack_bytes: int) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = \
+            queue.SimpleQueue()
+        # threading.stack_size is process-wide: a thread another one starts meanwhile gets
+        # this size too, which costs it address space only.
+        old = threading.stack_size(stack_bytes)
+        try:
+            threading.Thread(target=self._run, name="laya-grammar-compile",
+                             daemon=True).start()
+        finally:
+            threading.stack_size(old)
+
+    def _run(self) -> None:
+        while True:
+            fn, future = self._jobs.get()
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - the caller's to raise
+                future.set_exception(e)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        future: Future[T] = Future()
+        self._jobs.put((fn, future))
+        return future.result()
+
+
 class GrammarCompiler:
     """Compiles constraint specs for one model's vocabulary; safe from any thread."""
 
-    def __init__(self, tokenizer: Tokenizer, info: ModelInfo,
-                 cache_size: int = CACHE_SIZE) -> None:
+    def __init__(self, tokenizer: Tokenizer, info: ModelInfo, cache_size: int = CACHE_SIZE,
+                 cache_bytes: int = CACHE_BYTES, limits: CompileLimits | None = None) -> None:
         self._tokenizer = tokenizer
         self._info = info
+        self.limits = limits or CompileLimits()
         self._lock = threading.Lock()
         self._lltokenizer: llguidance.LLTokenizer | None = None
-        self._cache: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._sandbox: CompileSandbox | None = None
+        self._thread: _StackThread | None = None
+        self._cache: collections.OrderedDict[tuple[bool, bytes], _Compiled | Refused] = \
+            collections.OrderedDict()
+        self._compiling: dict[tuple[bool, bytes], Future[_Compiled | Refused]] = {}
         self._cache_size = cache_size
+        self.cache_bytes = cache_bytes
+        self.cached_bytes = 0  # what the cache's entries are counted as holding
         self.compiled = 0  # grammars compiled (cache misses), for tests and benchmarks
 
     @property
     def vocab_size(self) -> int:
         """The mask's width: the model's output rows (``ModelInfo.vocab_size``)."""
         return max(self._info.vocab_size, self._tokenizer.vocab_size)
+
+    @property
+    def growth_bytes(self) -> int:
+        """What a cached matcher may still grow by: its lexer's states, at most."""
+        return self.limits.max_lexer_states * LEXER_STATE_BYTES
+
+    @property
+    def sandbox(self) -> CompileSandbox:
+        self._vocabulary()
+        assert self._sandbox is not None
+        return self._sandbox
 
     def _vocabulary(self) -> llguidance.LLTokenizer:
         with self._lock:
@@ -107,38 +190,99 @@ class GrammarCompiler:
                 vocab = _Vocabulary(self._tokenizer, self._info)
                 self._lltokenizer = llguidance.LLTokenizer(
                     llguidance.TokenizerWrapper(vocab), n_vocab=self.vocab_size,
-                    eos_token=sorted(self._info.eog_token_ids) or None)
+                    eos_token=vocab.eog or None)
+                self._sandbox = CompileSandbox(
+                    Vocabulary(vocab.tokens, vocab.special_token_ids, vocab.eog), self.limits)
+                self._thread = _StackThread(self.limits.stack_bytes * _STACK_FACTOR)
             return self._lltokenizer
 
     def matcher(self, spec: ConstraintSpec) -> llguidance.LLMatcher:
-        """A fresh matcher for ``spec``; raises :class:`GrammarError` when it does not
-        compile (that answer is cached too)."""
+        """A fresh matcher for ``spec``; raises :class:`GrammarError` when it cannot be used
+        (that answer is cached too)."""
+        # A digest, not the text: a refused grammar of 1 MiB costs the cache 32 bytes.
+        key = (spec.convert, hashlib.sha256(spec.grammar.encode("utf-8", "surrogatepass")).digest())
         with self._lock:
-            found = self._cache.get(spec.grammar)
+            found = self._cache.get(key)
             if found is not None:
-                self._cache.move_to_end(spec.grammar)
+                self._cache.move_to_end(key)
+                pending = None
+            else:
+                pending = self._compiling.get(key)
+                if pending is None:
+                    self._compiling[key] = Future()
         if found is None:
-            found = self._compile(spec)
-        if isinstance(found, str):
+            found = pending.result() if pending is not None else self._compile_new(key, spec)
+        if isinstance(found, Refused):
             raise explain(spec.param, found)
-        return found.deep_copy()
+        return found.matcher.deep_copy()
 
-    def _compile(self, spec: ConstraintSpec) -> Any:
-        import llguidance
-
-        vocabulary = self._vocabulary()
-        # Compiling drops the GIL; two threads compiling one new grammar both finish it.
-        compiled = llguidance.LLMatcher(vocabulary, spec.grammar, log_level=0)
-        entry: Any = compiled.get_error() if compiled.is_error() else compiled
+    def _compile_new(self, key: tuple[bool, bytes], spec: ConstraintSpec) -> _Compiled | Refused:
+        try:
+            entry: _Compiled | Refused = self._compile(spec)
+        except Refused as refused:
+            entry = refused
+        except BaseException as e:  # not the grammar's fault: nothing to cache
+            with self._lock:
+                self._compiling.pop(key).set_exception(e)
+            raise
         with self._lock:
             self.compiled += 1
-            self._cache[spec.grammar] = entry
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+            self._keep(key, entry)
+            self._compiling.pop(key).set_result(entry)
         return entry
+
+    def _compile(self, spec: ConstraintSpec) -> _Compiled:
+        import llguidance
+
+        if len(spec.grammar) > MAX_GRAMMAR_CHARS:
+            raise Refused(f"its grammar has more than {MAX_GRAMMAR_CHARS:,} characters")
+        vocabulary = self._vocabulary()
+        checked = self.sandbox.check(spec.grammar, spec.convert)
+        limits = self.limits
+        if checked.num_bytes > limits.max_grammar_bytes:
+            raise Refused(f"its matcher needs {checked.num_bytes / 2**20:.0f} MiB, more than "
+                          f"the {limits.max_grammar_bytes // 2**20} MiB one constraint may hold")
+        if checked.mask_s > limits.max_mask_s:
+            raise Refused(f"one step of generating under it took {checked.mask_s * 1e3:.0f} "
+                          f"ms, more than the {limits.max_mask_s * 1e3:.0f} ms allowed")
+
+        def build() -> Any:  # the child's work again, on a stack it did not need
+            matcher = llguidance.LLMatcher(
+                vocabulary, checked.grammar, log_level=0,
+                limits=llguidance.LLParserLimits(**limits.parser_limits()))
+            if not matcher.is_error():
+                matcher.compute_bitmask()  # builds the first lexer states, once for all
+            return matcher
+
+        assert self._thread is not None
+        matcher = self._thread.call(build)
+        if matcher.is_error():
+            raise Refused(matcher.get_error(), matcher=True)
+        return _Compiled(matcher, checked.num_bytes + self.growth_bytes)
+
+    def _keep(self, key: tuple[bool, bytes], entry: _Compiled | Refused) -> None:
+        """Cache ``entry``, evicting the least recently used past either bound (a refusal
+        counts its message; one over the byte bound alone is not kept)."""
+        num_bytes = _size(entry)
+        if num_bytes > self.cache_bytes:
+            return
+        self._cache[key] = entry
+        self.cached_bytes += num_bytes
+        while len(self._cache) > self._cache_size or self.cached_bytes > self.cache_bytes:
+            _, old = self._cache.popitem(last=False)
+            self.cached_bytes -= _size(old)
 
     def constraint(self, spec: ConstraintSpec) -> MatcherConstraint:
         return MatcherConstraint(self.matcher(spec), self.vocab_size)
+
+    def close(self) -> None:
+        """End the child process (a later compile starts another)."""
+        if self._sandbox is not None:
+            self._sandbox.close()
+
+
+def _size(entry: _Compiled | Refused) -> int:
+    return entry.num_bytes if isinstance(entry, _Compiled) else len(entry.reason)
 
 
 class MatcherConstraint:
@@ -154,10 +298,14 @@ class MatcherConstraint:
         if len(generated) > self._fed:
             self._matcher.consume_tokens(list(generated[self._fed:]))
             self._fed = len(generated)
-        if self._matcher.is_error():  # an end the grammar does not allow: nothing may follow
-            return AllowedTokens(self._vocab_size, np.zeros(self._words, dtype=np.uint32))
-        words = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint32)
-        return AllowedTokens(self._vocab_size, words[: self._words])
+        if not self._matcher.is_error():
+            words = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint32)
+            if not self._matcher.is_error():
+                return AllowedTokens(self._vocab_size, words[: self._words])
+        # A step past the matcher's limits (its mask may still allow an end), or an end the
+        # grammar does not allow: nothing may follow, and the engine ends the sequence as
+        # cut short (finish_reason "length").
+        return AllowedTokens(self._vocab_size, np.zeros(self._words, dtype=np.uint32))
 
     @property
     def is_accepting(self) -> bool:

@@ -8,6 +8,10 @@ Three spellings are accepted, with one constraint per request:
   ``whitespace_pattern``;
 - vLLM's older ``guided_json``, ``guided_regex``, ``guided_choice`` and ``guided_grammar``.
 
+Each source is checked for size (:mod:`laya_core.structured.precheck`) before anything is
+built from it; the conversion of a GBNF grammar and every compile happen in the replica's
+compiler, off the event loop (:mod:`laya_core.structured.compiler`).
+
 JSON is generated with bounded whitespace (:data:`DEFAULT_WHITESPACE`): between two JSON
 tokens at most two spaces, or one line break and 32 spaces of indent, so a constrained
 generation cannot spend its tokens on blanks (an unbounded pattern let a small model write
@@ -21,11 +25,15 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from laya_core.structured import precheck
 from laya_core.structured.spec import ConstraintSpec, GrammarError
 
 # One whitespace run between JSON tokens: a pretty-printed layout fits, a runaway does not.
 DEFAULT_WHITESPACE = r"(?:[ ]{0,2}|\n[ ]{0,32})"
 MAX_CHOICES = 4096
+# The request fields that carry an output constraint (tools become one too).
+CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                     "guided_choice", "guided_grammar", "tools")
 
 # The whitespace options of compact JSON (vLLM's disable_any_whitespace).
 _COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
@@ -54,12 +62,18 @@ def closed_schema(schema: Any) -> Any:
 
 def _schema(value: Any, param: str) -> Any:
     if isinstance(value, str):  # vLLM's guided_json takes a JSON string too
+        if len(value) > precheck.MAX_CHARS:
+            raise GrammarError(param, f"'{param}' has more than {precheck.MAX_CHARS:,} "
+                               "characters, the most one output constraint may have")
         try:
             value = json.loads(value)
+        except RecursionError:
+            raise GrammarError(param, f"'{param}' nests too deeply") from None
         except ValueError as e:
             raise GrammarError(param, f"'{param}' is not valid JSON: {e}") from None
     if not isinstance(value, (Mapping, bool)):
         raise GrammarError(param, f"'{param}' must be a JSON schema (an object)")
+    precheck.check_schema(value, param)
     return value
 
 
@@ -75,8 +89,11 @@ def json_schema(schema: Any, param: str, *, whitespace: str | None = None,
         schema = {}
     if schema is False:
         raise GrammarError(param, f"'{param}' is the schema false, which nothing satisfies")
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(
-        json.dumps(schema), defaults=json_options(whitespace, compact))  # type: ignore[arg-type]
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            json.dumps(schema), defaults=json_options(whitespace, compact))  # type: ignore[arg-type]
+    except ValueError as e:  # nested deeper than its JSON parser takes, say
+        raise GrammarError(param, f"'{param}' cannot be read as a JSON schema: {e}") from None
     return ConstraintSpec(kind, grammar, param)
 
 
@@ -85,6 +102,7 @@ def regex(pattern: Any, param: str) -> ConstraintSpec:
 
     if not isinstance(pattern, str) or not pattern:
         raise GrammarError(param, f"'{param}' must be a non-empty regular expression")
+    precheck.check_text(pattern, param)
     return ConstraintSpec("regex", llguidance.LLMatcher.grammar_from_regex(pattern), param)
 
 
@@ -95,22 +113,21 @@ def choice(options: Any, param: str) -> ConstraintSpec:
             or not all(isinstance(o, str) and o for o in options):
         raise GrammarError(param, f"'{param}' must be a list of 1 to {MAX_CHOICES} "
                            "non-empty strings")
-    lark = "start: " + " | ".join(json.dumps(o) for o in dict.fromkeys(options))
+    precheck.check_choices(options, param)
+    # One terminal, so one lexer (a DFA) tells the choices apart: as alternatives of the
+    # start rule, more than 2,000 choices pass llguidance's limit on a parser row.
+    lark = "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(o) for o in dict.fromkeys(options))
     return ConstraintSpec("choice", llguidance.LLMatcher.grammar_from_lark(lark), param)
 
 
 def grammar(text: Any, param: str) -> ConstraintSpec:
-    """A Lark grammar (llguidance's dialect) or a GBNF one (llama.cpp's)."""
-    import llguidance
-    from llguidance.gbnf_to_lark import any_to_lark
-
+    """A Lark grammar (llguidance's dialect) or a GBNF one (llama.cpp's), converted when
+    compiled: telling them apart and converting GBNF take time that grows faster than the
+    text (6 s for 3,000 GBNF rules), which the event loop must not spend."""
     if not isinstance(text, str) or not text.strip():
         raise GrammarError(param, f"'{param}' must be a grammar (Lark or GBNF) as a string")
-    try:
-        lark = any_to_lark(text)
-    except Exception as e:  # noqa: BLE001 - the converter's errors are the client's grammar's
-        raise GrammarError(param, f"'{param}' is not a Lark or GBNF grammar: {e}") from None
-    return ConstraintSpec("grammar", llguidance.LLMatcher.grammar_from_lark(lark), param)
+    precheck.check_grammar(text, param)
+    return ConstraintSpec("grammar", text, param, convert=True)
 
 
 def _response_format(value: Any) -> ConstraintSpec | None:
@@ -167,6 +184,8 @@ def _structured_outputs(value: Any) -> ConstraintSpec | None:
                     ("whitespace_pattern", whitespace is None or isinstance(whitespace, str))):
         if not ok:
             raise GrammarError(f"{param}.{key}", f"'{param}.{key}' has the wrong type")
+    if whitespace is not None:
+        precheck.check_text(whitespace, f"{param}.whitespace_pattern")
     if not given:
         return None
     kind = given[0]

@@ -11,12 +11,16 @@ class ConstraintSpec:
 
     ``grammar`` is llguidance's grammar text (a Lark grammar, or the JSON of its
     ``{"grammars": [...]}`` form), complete: equal texts constrain equally, so it is the
-    compile cache's key. ``param`` is the request field it came from, for errors.
+    compile cache's key. With ``convert`` it is the client's own grammar text, Lark or GBNF,
+    which the compiler converts (in its child process: the conversion is quadratic in the
+    rules, :mod:`laya_core.structured.sandbox`). ``param`` is the request field it came
+    from, for errors.
     """
 
     kind: str  # json_schema, json_object, regex, choice, grammar, tools
     grammar: str
     param: str
+    convert: bool = False
 
 
 class GrammarError(ValueError):
