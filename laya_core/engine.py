@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from laya_core.allowed_tokens import TokenConstraint
+from laya_core.allowed_tokens import NO_TOKEN_ALLOWED, TokenConstraint
 from laya_core.backend import Backend, ModelConfig, ModelInfo
 from laya_core.detokenizer import IncrementalDetokenizer
 from laya_core.embed_queue import EmbedQueue, embed_budget
@@ -497,7 +497,9 @@ class Engine:
             self.scheduler.kv.computed(c.seq)
             live = self._live[c.seq.seq_id]
             live.prompt_logprobs += result.scores
-            if result.error is not None:  # this sequence alone could not go on
+            if result.error == NO_TOKEN_ALLOWED:  # its constraint cannot go on: cut short
+                self._finish(live, FinishReason.LENGTH, "", result.error)
+            elif result.error is not None:  # this sequence alone could not go on
                 self._finish(live, FinishReason.ERROR, "", result.error)
             elif result.sample is not None:
                 self._on_token(live, result.sample)

@@ -113,7 +113,9 @@ def test_a_mask_without_the_end_token_means_the_sequence_cannot_stop_there() -> 
     e.stop()
 
 
-def test_a_mask_allowing_nothing_fails_that_sequence_alone() -> None:
+def test_a_mask_allowing_nothing_ends_that_sequence_alone_as_cut_short() -> None:
+    """A constraint that cannot go on (a step past its matcher's limits) ends its sequence
+    the way max_tokens does: what was generated is a beginning of a match, "length"."""
     e = started_engine(max_seq_len=64, max_num_seqs=2)
 
     def dies_at_the_third(output: Sequence[int]) -> AllowedTokens | None:
@@ -126,7 +128,7 @@ def test_a_mask_allowing_nothing_fails_that_sequence_alone() -> None:
         return ([ev async for ev in doomed], [ev async for ev in other])
 
     doomed, other = asyncio.run(go())
-    assert doomed[-1].finish_reason is FinishReason.ERROR
+    assert doomed[-1].finish_reason is FinishReason.LENGTH
     assert doomed[-1].error == NO_TOKEN_ALLOWED
     assert "".join(ev.text for ev in doomed) == "xy"
     assert other[-1].finish_reason is FinishReason.LENGTH
