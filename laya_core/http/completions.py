@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -27,9 +27,11 @@ from laya_core.http.requests import (
     with_header_priority,
 )
 from laya_core.http.sse import SSEResponse
+from laya_core.structured.formats import CONSTRAINT_FIELDS
 from laya_core.structured.tools import ToolCallParser
 from laya_core.types import FinishReason, Timing
 
+T = TypeVar("T")
 Handler = Callable[[Request], Awaitable[Response]]
 
 
@@ -51,6 +53,15 @@ async def _guarded(request: Request, work: Awaitable[Any]) -> Any:
     finally:
         watcher.cancel()
 
+
+
+async def _parsed(parse: Callable[[Any], T], body: Any) -> T:
+    """``parse(body)``, on a worker thread when the body carries an output constraint or
+    tools: checking those walks the client's schemas and grammars (up to 20,000 values, or
+    256 KiB of text: tens of ms), which the event loop must not wait for."""
+    if isinstance(body, dict) and any(body.get(k) is not None for k in CONSTRAINT_FIELDS):
+        return await asyncio.to_thread(parse, body)
+    return parse(body)
 
 class CompletionHandlers:
     def __init__(self, deployment: Deployment, observer: Observer) -> None:
@@ -74,7 +85,7 @@ class CompletionHandlers:
         return runs, base, runs[0].client.tokenizer().token_bytes
 
     async def chat(self, request: Request) -> Response:
-        req = parse_chat(await json_body(request, self.server))
+        req = await _parsed(parse_chat, await json_body(request, self.server))
         runs, base, token_bytes = await self._start(request, req, "chatcmpl",
                                                     "chat.completion.chunk")
         if req.common.stream:
@@ -120,7 +131,7 @@ class CompletionHandlers:
         return self._json(runs, req, results, body)
 
     async def completions(self, request: Request) -> Response:
-        req = parse_completion(await json_body(request, self.server))
+        req = await _parsed(parse_completion, await json_body(request, self.server))
         runs, base, token_bytes = await self._start(request, req, "cmpl", "text_completion")
         if req.common.stream:
             def chunk(i: int, event: Any) -> dict[str, Any]:
