@@ -30,11 +30,13 @@ WORKER_PROCESS_BYTES = 64 * 2**20
 # The front end keeps each replica's tokenizer (Backend.load_tokenizer): llama.cpp's
 # vocabulary-only load of 49,152 tokens measured 17 MiB.
 FRONT_TOKENIZER_BYTES_PER_TOKEN = 400
-# Structured output (laya_core/structured/compiler.py), measured on AMD EPYC with the
-# embedded model's 49,152 tokens: llguidance's index of the vocabulary took 25 MiB, and 256
-# compiled 12-record JSON schemas with a live copy each 26 MiB.
+# Structured output (laya_core/structured/), measured with the embedded model's 49,152
+# tokens: llguidance's index of the vocabulary took 25 MiB (AMD EPYC), once in the replica
+# and once in its compile child; the child's interpreter and llguidance 25 MiB more (Intel
+# Xeon: 50 MiB resident once started). The cache's bytes and one compile's memory are the
+# compiler's own bounds (structured/compiler.py CACHE_BYTES, sandbox.py memory_bytes).
 GRAMMAR_VOCAB_BYTES_PER_TOKEN = 540
-GRAMMAR_BYTES = 100 * 1024
+GRAMMAR_CHILD_BYTES = 26 * 2**20
 DEFAULT_MAX_SEQ_LEN = 4096
 DEFAULT_MAX_NUM_SEQS = 4
 # Prompt positions whose logits one step may ask for (prompt log-probabilities). Each costs

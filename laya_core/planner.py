@@ -13,7 +13,7 @@ from laya_core.manifest import Manifest
 from laya_core.manifest_table import Problems
 from laya_core.memory_plan import (
     FRONT_TOKENIZER_BYTES_PER_TOKEN,
-    GRAMMAR_BYTES,
+    GRAMMAR_CHILD_BYTES,
     GRAMMAR_VOCAB_BYTES_PER_TOKEN,
     KV_DTYPES,
     RUNTIME_OVERHEAD_BYTES,
@@ -25,7 +25,8 @@ from laya_core.memory_plan import (
     decide_sizes,
 )
 from laya_core.model_files import ModelFileError, ModelShape, read_shape
-from laya_core.structured.compiler import CACHE_SIZE as GRAMMAR_CACHE_SIZE
+from laya_core.structured.compiler import CACHE_BYTES as GRAMMAR_CACHE_BYTES
+from laya_core.structured.sandbox import CompileLimits
 from laya_core.plugins import Registry
 from laya_core.units import fmt_bytes
 
@@ -54,15 +55,19 @@ def _in_worker(profile: MemoryProfile, shape: ModelShape) -> MemoryProfile:
 
 
 def _with_constraints(profile: MemoryProfile, shape: ModelShape) -> MemoryProfile:
-    """Structured output's share: the matcher's view of the vocabulary and the replica's
-    cache of compiled grammars (laya_core/structured/compiler.py), built on first use."""
+    """Structured output's share, built on first use (laya_core/structured/): the matcher's
+    view of the vocabulary, the cache of compiled grammars (bounded in bytes), one compile
+    at a time, and the child process that tries each grammar first (its interpreter, its
+    own view of the vocabulary, and the memory one compile may add to it)."""
     vocab = shape.vocab_size * GRAMMAR_VOCAB_BYTES_PER_TOKEN
-    cache = GRAMMAR_CACHE_SIZE * GRAMMAR_BYTES
+    compile_bytes = CompileLimits().memory_bytes
+    child = GRAMMAR_CHILD_BYTES + vocab + compile_bytes
     return attrs.evolve(profile, overheads=(*profile.overheads, Overhead(
-        "grammars", vocab + cache,
+        "grammars", vocab + GRAMMAR_CACHE_BYTES + compile_bytes + child,
         f"structured output: the vocabulary's index ({GRAMMAR_VOCAB_BYTES_PER_TOKEN} B per "
-        f"token, measured 25 MiB for 49,152) + {GRAMMAR_CACHE_SIZE} cached grammars x "
-        f"{GRAMMAR_BYTES // 1024} KiB (measured)")))
+        f"token, measured 25 MiB for 49,152) + the grammar cache ({fmt_bytes(GRAMMAR_CACHE_BYTES)}"
+        f") + one compile ({fmt_bytes(compile_bytes)}) + the compile child "
+        f"({fmt_bytes(child)}: interpreter, index, one compile)")))
 
 
 def _ledgers(configs: list[tuple[ModelConfig, ModelShape, type[Backend]]],
