@@ -26,13 +26,13 @@ BOOM = ("{% for m in messages %}{% if m['content'] == 'boom' %}" + LOOP_FOREVER 
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def assert_responsive(health_s: list[float]) -> None:
-    """/health answered promptly throughout. The bound is loose on purpose: on 2 cores the
-    clients and the tokenizer threads also take CPU from the event loop's thread, so a
-    probe can wait a scheduler slice; a loop blocked by the work itself waited seconds
-    (2-3 s per 4 MiB prompt tokenized on the loop, for ever behind a looping template)."""
-    ordered = sorted(health_s)
-    assert ordered[len(ordered) // 2] < 0.1 and ordered[-1] < 1.0, health_s
+def assert_answered_meanwhile(health_s: list[float], at_least: int) -> None:
+    """The event loop kept answering /health while the work was in flight: ``health_s`` are
+    the probes answered before the work ended, one after another. A loop blocked by the work
+    itself (2-3 s per 4 MiB prompt tokenized on the loop, for ever behind a looping
+    template) answers a probe only between two pieces of work, one or two each; how long a
+    probe took is the machine's load, and not asserted."""
+    assert len(health_s) >= at_least, health_s
 
 
 def model_with_template(tmp_path: Path, name: str, template: str) -> Path:
@@ -54,7 +54,6 @@ def test_a_template_that_never_finishes_is_refused_at_load(tmp_path: Path,
     path = model_with_template(tmp_path, "loop", LOOP_FOREVER)
     (tmp_path / "laya.toml").write_text(manifest(backend, ("loop", path))
                                         .replace("{port}", str(free_port())))
-    started = time.monotonic()
     run = subprocess.run([sys.executable, "-m", "laya_core.cli", "serve",
                           str(tmp_path / "laya.toml")], capture_output=True, text=True,
                          timeout=120)
@@ -62,7 +61,6 @@ def test_a_template_that_never_finishes_is_refused_at_load(tmp_path: Path,
     assert "chat template failed a test render" in run.stdout + run.stderr
     assert "longer than 2 s" in run.stdout + run.stderr
     assert "Traceback" not in run.stdout
-    assert time.monotonic() - started < 60
 
 
 @pytest.fixture(scope="module", params=FRONT_END_BACKENDS)
@@ -129,7 +127,7 @@ def test_a_template_that_loops_on_some_content_fails_that_request_only(
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "messages" and "longer than 2 s" in error["message"]
-    assert_responsive(health)  # the event loop never waited on the template
+    assert_answered_meanwhile(health, 5)  # the 2 s the template ran, not one wait
     assert chat(two_models.url, "boom", "hi").status_code == 200  # the sandbox is back
 
 
@@ -152,17 +150,20 @@ POST_BIG_PROMPT = """
 import json, sys, httpx
 prompt = "The lighthouse keeper wrote in his diary. " * (4 * 2**20 // 43 - 64)
 body = json.dumps({"model": "smollm2", "prompt": prompt, "max_tokens": 1})
+print("sending", flush=True)
 r = httpx.post(sys.argv[1] + "/v1/completions", content=body, timeout=120,
                headers={"Content-Type": "application/json"})
 print(r.status_code)
 """
 
 
-def test_health_stays_fast_while_four_clients_send_4_mib_prompts(
+def test_health_answers_while_four_clients_send_4_mib_prompts(
         smollm_server: ServerProcess) -> None:
-    """The clients are processes of their own, so the probe times the server alone."""
+    """The clients are processes of their own, so the probe times the server alone; it
+    counts from the moment each has its prompt ready to send, not while they start."""
     clients = [subprocess.Popen([sys.executable, "-c", POST_BIG_PROMPT, smollm_server.url],
                                 stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    assert [c.stdout.readline() for c in clients] == ["sending\n"] * 4  # type: ignore
     health = []
     with httpx.Client(base_url=smollm_server.url, timeout=10) as client:
         while any(c.poll() is None for c in clients):
@@ -172,5 +173,4 @@ def test_health_stays_fast_while_four_clients_send_4_mib_prompts(
             time.sleep(0.05)
     statuses = [c.communicate()[0].strip() for c in clients]
     assert statuses == ["400"] * 4  # far longer than max_seq_len, found once tokenized
-    assert len(health) > 5
-    assert_responsive(health)
+    assert_answered_meanwhile(health, 20)  # blocked, 4 prompts would let 8 through at most

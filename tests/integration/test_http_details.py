@@ -287,10 +287,8 @@ def test_metrics_open_when_the_manifest_says_so(browser: ServerProcess) -> None:
 
 @on_one_backend("browser")
 def test_streams_carry_cors_headers(browser: ServerProcess) -> None:
-    started = time.monotonic()
     with httpx.stream("POST", f"{browser.url}/v1/chat/completions",
                       headers={**AUTH, "Origin": ORIGIN}, json={**CHAT, "stream": True},
                       timeout=60) as r:
         assert r.headers["access-control-allow-origin"] == ORIGIN
         assert r.read().rstrip().endswith(b"data: [DONE]")
-    assert time.monotonic() - started < 30

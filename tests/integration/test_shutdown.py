@@ -86,11 +86,10 @@ def test_sigterm_cancels_what_outlives_the_timeout(tmp_path: Path, backend: str)
     server = ServerProcess(MANIFEST % (1, backend), tmp_path)
     server.wait_ready()
     thread, result = stream_in_background(server.url, 1500)
-    started = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
     code = server.proc.wait(30)
     thread.join(30)
-    elapsed = time.monotonic() - started
     server.stop()
     assert code == 0, server.log()
-    assert elapsed < 10 and not result["done"]
+    # Cut at the timeout: the stream never reached its 1500 tokens or its [DONE].
+    assert not result["done"] and result["chunks"] < 1500, result

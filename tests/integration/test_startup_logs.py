@@ -85,7 +85,7 @@ def test_the_log_tells_the_load_the_ready_moment_and_the_shutdown(tmp_path: Path
     assert sorted(loads) == [0, 1], server.log()
     for replica in replicas:
         load = loads[replica["replica"]]
-        assert 0 < float(load[2]) < 60
+        assert float(load[2]) > 0  # how long it took is the machine's, not asserted
         assert load[4] == fmt_bytes(replica["kv_pool_bytes"])
         assert int(load[5]) == replica["kv_cache_capacity_tokens"]
         weights_mib = float(load[3].removesuffix(" MiB"))

@@ -156,7 +156,7 @@ def test_a_silent_server_is_a_timeout() -> None:
         raise AssertionError("the request should have timed out")
 
     r = fake_request(silent, timeout_s=0.2)
-    assert (r.ok, r.error) == (False, "timeout") and r.e2e_s < 5
+    assert (r.ok, r.error) == (False, "timeout")  # not the handler's AssertionError
 
 
 def test_percentiles_interpolate_and_report_ms() -> None:
