@@ -73,6 +73,7 @@ test-system-deps:
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  echo "laya: the tests need $$needs; apt-get install $$missing"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
 	  apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	else \
 	  echo "laya: the tests need $$needs; install with: sudo apt-get install $$missing"; \

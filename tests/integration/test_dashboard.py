@@ -67,6 +67,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
+    assert os.access(CHROMIUM, os.X_OK), \
+        f"{CHROMIUM} is missing: sudo apt-get install chromium (make test installs it as root)"
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM)
         yield b
