@@ -55,6 +55,11 @@ class TemplateUnavailableError(TemplateError):
     request may be retried once it has been replaced (a 503 with Retry-After)."""
 
 
+# How long a new child may take to start (the interpreter and jinja2's import) before its first
+# render's own limit starts: seconds on a busy machine, never the template's fault.
+START_TIMEOUT_S = 60.0
+
+
 @attrs.frozen
 class RenderLimits:
     """What one render may take; see the module docstring."""
@@ -75,6 +80,7 @@ class TemplateSandbox:
         self.limits = limits or RenderLimits()
         self._lock = threading.Lock()  # one render at a time; guards _proc
         self._proc: subprocess.Popen[bytes] | None = None
+        self._ready = False  # the child wrote its ready line
         self._started = 0.0  # time.monotonic() of the child's start
         self._young_deaths = 0  # children in a row that died on their own, young
         self._closed = False
@@ -116,9 +122,13 @@ class TemplateSandbox:
 
     def _exchange(self, line: bytes) -> dict[str, Any]:
         proc = self._child()
+        if not self._ready:
+            self._await_start(proc)
         deadline = time.monotonic() + self.limits.timeout_s
         if not self._write(proc, line, deadline):  # it died before taking the job
             proc = self._replace(proc, f"{_reaped(proc)} while idle")
+            self._await_start(proc)
+            deadline = time.monotonic() + self.limits.timeout_s
             if not self._write(proc, line, deadline):
                 self._replace(proc, f"{_reaped(proc)} at its start")
                 raise TemplateUnavailableError("the chat template's renderer died at its "
@@ -132,6 +142,16 @@ class TemplateSandbox:
         if not reply.get("alive", True):  # it exits after a MemoryError: start a fresh one
             self._replace(proc, "exited after running out of memory")
         return reply
+
+    def _await_start(self, proc: subprocess.Popen[bytes]) -> None:
+        """Wait for a new child's ready line, so that the interpreter's start (seconds on a
+        busy machine) is not counted against the template's render limit."""
+        raw = self._read(proc, time.monotonic() + START_TIMEOUT_S)
+        if not raw:
+            self._replace(proc, "stopped answering at its start" if raw is None
+                          else f"{_reaped(proc)} at its start")
+            raise TemplateUnavailableError("the chat template's renderer did not start; retry")
+        self._ready = True
 
     def _write(self, proc: subprocess.Popen[bytes], data: bytes, deadline: float) -> bool:
         """Write the job, waiting for room until ``deadline``; False if the child is gone.
@@ -198,6 +218,7 @@ class TemplateSandbox:
             bufsize=0)
         assert proc.stdin is not None
         os.set_blocking(proc.stdin.fileno(), False)
+        self._ready = False  # until it writes its ready line
         self._started = time.monotonic()
         threading.Thread(target=self._watch, args=(proc,), daemon=True,
                          name="laya-template-sandbox-watch").start()
@@ -326,6 +347,8 @@ def _child_main(memory_bytes: int, max_chars: int) -> None:
 
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
     compiled: dict[tuple[Any, ...], ChatTemplate] = {}
+    sys.stdout.write('{"status": "ready"}\n')  # imports done: renders may start
+    sys.stdout.flush()
     for line in sys.stdin.buffer:
         reply = _answer(json.loads(line), compiled, memory_bytes, max_chars)
         sys.stdout.write(json.dumps(reply) + "\n")

@@ -145,3 +145,22 @@ def test_a_closed_sandbox_renders_nothing() -> None:
     assert not box.up and not psutil.pid_exists(pid)
     with pytest.raises(TemplateUnavailableError):
         box.render(None, "", "", HI)
+
+
+def test_a_slow_start_of_the_child_is_not_counted_against_the_render(
+        stopped: list[int]) -> None:
+    """On a busy machine the interpreter's start can take longer than a render may: the
+    render's limit starts once the child says it is ready. Here the new child is held
+    (SIGSTOP) for longer than the limit before it may start."""
+    sandbox = TemplateSandbox(RenderLimits(timeout_s=0.5))
+    try:
+        pid = sandbox._child().pid
+        os.kill(pid, signal.SIGSTOP)
+        stopped.append(pid)
+        release = threading.Timer(1.5, os.kill, (pid, signal.SIGCONT))
+        release.start()
+        assert sandbox.render(None, "", "", HI) == CHATML_HI
+        assert sandbox.num_restarts == 0
+        release.join()
+    finally:
+        sandbox.close()
