@@ -24,7 +24,9 @@ bound one mask's work to about 8 ms.
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
+import os
 import queue
 import re
 import threading
@@ -118,9 +120,11 @@ class _Compiled:
 
 
 class _StackThread:
-    """One thread with a stack of a chosen size, running the functions it is given."""
+    """One thread with a stack of a chosen size and a lower priority (``nice`` added),
+    running the functions it is given."""
 
-    def __init__(self, stack_bytes: int) -> None:
+    def __init__(self, stack_bytes: int, nice: int) -> None:
+        self._nice = nice
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = \
             queue.SimpleQueue()
         # threading.stack_size is process-wide: a thread another one starts meanwhile gets
@@ -133,6 +137,11 @@ class _StackThread:
             threading.stack_size(old)
 
     def _run(self) -> None:
+        # Linux's nice values are per thread: compiling yields the CPU to the engine's steps,
+        # as the compile child does (laya_core/structured/sandbox_child.py).
+        with contextlib.suppress(OSError, AttributeError):
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self._nice)
         while True:
             fn, future = self._jobs.get()
             try:
@@ -193,7 +202,8 @@ class GrammarCompiler:
                     eos_token=vocab.eog or None)
                 self._sandbox = CompileSandbox(
                     Vocabulary(vocab.tokens, vocab.special_token_ids, vocab.eog), self.limits)
-                self._thread = _StackThread(self.limits.stack_bytes * _STACK_FACTOR)
+                self._thread = _StackThread(self.limits.stack_bytes * _STACK_FACTOR,
+                                           self.limits.nice)
             return self._lltokenizer
 
     def matcher(self, spec: ConstraintSpec) -> llguidance.LLMatcher:

@@ -53,6 +53,7 @@ class CompileLimits:
     max_mask_s: float = 0.05  # the walk's slowest mask after the first
     first_masks: int = 8
     stack_bytes: int = 4 * 2**20
+    nice: int = 10  # added to the child's and the compile thread's: generation goes first
     # llguidance's ParserLimits, below its defaults (1M, 200k, 50k, 250k, 500k, 2000):
     # about 10 ms of lexer construction, 7 ms of lexer and 1 ms of parser work per mask,
     # and at most 3 MiB of lexer states a grammar (measured 640 B a state).
@@ -186,7 +187,7 @@ class CompileSandbox:
             "tokens": [t.hex() for t in v.tokens], "specials": list(v.special_token_ids),
             "eos": list(v.eos_token_ids), "parser_limits": limits.parser_limits(),
             "memory_bytes": limits.memory_bytes, "first_masks": limits.first_masks,
-            "stack_bytes": limits.stack_bytes}) + "\n").encode()
+            "stack_bytes": limits.stack_bytes, "nice": limits.nice}) + "\n").encode()
 
     def _kill(self) -> None:
         if self._proc is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import queue
 import random
 import resource
@@ -142,6 +143,9 @@ def _address_space() -> int:
 
 def main() -> None:
     setup = json.loads(sys.stdin.buffer.readline())
+    # Compiling yields the CPU to the replica's generation: on a busy machine a compile
+    # waits, not the tokens of the streams already running.
+    os.nice(setup["nice"])
     vocab = _Vocab(setup)
     tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocab),
                                        n_vocab=len(vocab.tokens),

@@ -137,6 +137,15 @@ def test_a_grammar_that_crashes_the_compiler_costs_only_its_request(
     assert compiler.sandbox.pid is not None and compiler.sandbox.pid != os.getpid()
 
 
+def test_compiling_yields_the_cpu_to_generation(compiler: GrammarCompiler) -> None:
+    """A hostile compile on a busy machine stalled a neighbour's stream for seconds; the
+    child runs at a nice value 10 above this process's (at most 19)."""
+    compiler.constraint(formats.regex("[0-9]+", "p"))
+    ours, pid = os.getpriority(os.PRIO_PROCESS, 0), compiler.sandbox.pid
+    assert pid is not None
+    assert os.getpriority(os.PRIO_PROCESS, pid) == min(ours + compiler.limits.nice, 19)
+
+
 def test_a_compile_past_its_time_or_memory_is_refused(compiler: GrammarCompiler) -> None:
     slow = raw("json", {"type": "object", "properties": {
         f"p{i}": {"type": "integer"} for i in range(10_000)}})  # seconds: quadratic
