@@ -153,30 +153,6 @@ class _Body:
                               "or send its default", "unsupported_parameter")
 
 
-# Where a schema may come as a JSON string (vLLM's guided_json takes one; formats.py
-# accepts one at each schema field).
-_SCHEMA_STRINGS = (("guided_json",), ("structured_outputs", "json"),
-                   ("response_format", "json_schema", "schema"))
-
-
-def _schemas_parsed(body: Mapping[str, Any]) -> Mapping[str, Any]:
-    """``body`` with the schemas it sends as JSON strings parsed by
-    :func:`safe_json.loads_field`, so that their depth is bounded as the body's is."""
-    for path in _SCHEMA_STRINGS:
-        value: Any = body
-        for key in path:
-            value = value.get(key) if isinstance(value, Mapping) else None
-        if isinstance(value, str):
-            body = _replaced(body, path, safe_json.loads_field(value, ".".join(path)))
-    return body
-
-
-def _replaced(holder: Mapping[str, Any], path: tuple[str, ...], value: Any) -> dict[str, Any]:
-    """A copy of ``holder`` with the value at ``path`` replaced (``holder`` is untouched)."""
-    inner = value if len(path) == 1 else _replaced(holder[path[0]], path[1:], value)
-    return {**holder, path[0]: inner}
-
-
 def _common(b: _Body, logprobs: int | None, min_max_tokens: int = 1) -> GenerationRequest:
     b.refuse_unsupported()
     model = b.get("model", str)
@@ -212,7 +188,7 @@ def _common(b: _Body, logprobs: int | None, min_max_tokens: int = 1) -> Generati
         raise invalid("prompt_logprobs", "'prompt_logprobs' is not available with 'stream'; "
                       "ask for one of them")
     try:
-        constraint = formats.from_body(_schemas_parsed(b.body))
+        constraint = formats.from_body(b.body)
     except GrammarError as e:
         raise invalid(e.param, str(e)) from None
     return GenerationRequest(

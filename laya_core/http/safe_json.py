@@ -5,9 +5,9 @@
 router), ``NaN`` and ``Infinity`` literals, ``1e400`` (infinity), integers of any size (which
 overflow when made floats or C integers) and nesting as deep as the interpreter's recursion
 limit. :func:`loads` refuses all of them with a 400 naming the field, e.g.
-``messages[0].content``. Fields whose value is JSON inside a string (a history call's
-``arguments``, ``guided_json``) escape that check, so they are parsed with
-:func:`loads_field`, which applies the same rules and names the field.
+``messages[0].content``. A field whose value is JSON inside a string (a history call's
+``arguments``) escapes that check, so it is parsed with :func:`loads_field`, which applies
+the same rules and names the field.
 """
 
 from __future__ import annotations
