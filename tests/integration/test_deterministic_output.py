@@ -9,8 +9,9 @@ requests than alone. Two causes, both measured on the embedded model:
   reused from the cache) took other kernel paths than a longer chunk; the scheduler no
   longer makes one, and a reuse leaves two tokens to compute;
 - llama.cpp's CPU flash attention takes another path for one query than for many and
-  splits its work by thread, so with it (flash_attn "auto", the default) the last digits
-  still depend on the batch: docs/architecture.md, "Determinism".
+  splits its work by thread, so with it ("auto", the default until issue 26) the output
+  depended on the batch and on the cache: it is off by default now (docs/architecture.md,
+  "Determinism").
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import SMOLLM_BACKENDS, ServerProcess, repeatable_server
+from conftest import SMOLLM_BACKENDS, ServerProcess, repeatable_server, serving, smollm_manifest
 
 MEETING = ("The following is a detailed transcript of a meeting about the quarterly budget, "
            "covering marketing, engineering, sales and support expenses, with action items for "
@@ -109,3 +110,47 @@ def test_constrained_neighbours_leave_an_unconstrained_output_exact(
         for f in others:
             f.result()
     assert beside == alone
+
+
+# Over 64 tokens: flash attention ran a cold prompt through its tiled kernel, and the two
+# tokens left after a cache hit through another.
+SYSTEM = "You are a helpful assistant. Answer clearly and concisely. " * 6
+SKY = [{"role": "system", "content": SYSTEM},
+       {"role": "user", "content": "Why is the sky blue?"}]
+
+
+def chat(server: ServerProcess, messages: list[dict[str, str]]) -> tuple[str, list[float], int]:
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=300, json={
+        "model": "smollm2", "messages": messages, "max_tokens": 24, "temperature": 0,
+        "logprobs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    choice = body["choices"][0]
+    cached = body["usage"].get("prompt_tokens_details", {}).get("cached_tokens") or 0
+    return (choice["message"]["content"], [t["logprob"] for t in choice["logprobs"]["content"]],
+            cached)
+
+
+def test_the_llamacpp_defaults_answer_a_chat_alike_cold_cached_and_crowded(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Issue 26's reproduction on the defaults (no options, threads "auto"): with flash
+    attention on, every answer served from the prefix cache differed from the first, cold
+    one (20 of 20). Now the first answer, answers beside neighbours that share the system
+    prompt, and later ones from the cache are the same text with the same log-probabilities.
+    """
+    with serving(smollm_manifest("llamacpp"), tmp_path_factory.mktemp("defaults")) as s:
+        text, logprobs, _ = chat(s, SKY)
+
+        def neighbour(i: int) -> None:
+            chat(s, [SKY[0], {"role": "user", "content": f"Neighbour {i}: a poem about {i}"}])
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            others = [pool.submit(neighbour, i) for i in range(3)]
+            crowded = [pool.submit(chat, s, SKY) for _ in range(3)]
+            answers = [f.result() for f in crowded]
+            for f in others:
+                f.result()
+        answers += [chat(s, SKY) for _ in range(2)]
+    assert any(cached for _, _, cached in answers), "no answer came from the prefix cache"
+    for again, again_logprobs, _ in answers:
+        assert (again, again_logprobs) == (text, logprobs)

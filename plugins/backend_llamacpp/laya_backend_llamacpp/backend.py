@@ -28,6 +28,7 @@ from laya_backend_llamacpp.memory import (
     SCORE_BLOCK_ROWS,
     embed_batch_tokens,
     embed_cells,
+    flash_attention,
     kv_layout,
     saved_kv_tokens,
 )
@@ -71,7 +72,8 @@ class LlamaCppBackend(Backend):
     physical core, fewer while other work holds them, see ``threads.py``; or a number),
     ``repack`` and ``use_mmap`` (``"auto"``, true or false; see ``cpu.choose_repack`` and
     ``cpu.choose_mmap``), ``kv_unified`` (default: a KV stream per slot when the pool
-    allows, see ``kv_layout``), ``flash_attn`` (``"auto"``, true or false; default "auto"),
+    allows, see ``kv_layout``), ``flash_attn`` (``"auto"``, true or false; default false:
+    ``memory.flash_attention``),
     ``saved_kv_tokens`` (evicted streams' KV kept in host memory; see ``saved_kv_tokens``).
     """
 
@@ -202,8 +204,8 @@ class LlamaCppBackend(Backend):
         params.kv_unified = self._unified
         params.type_k = params.type_v = _GGML_TYPE[self.config.kv_cache_dtype]
         params.no_perf = True
-        params.flash_attn_type = _FLASH_ATTN[self.config.options.get("flash_attn", "auto")]
-        self._chunks_alone = self.config.options.get("flash_attn", "auto") is False
+        params.flash_attn_type = _FLASH_ATTN[flash_attention(self.config)]
+        self._chunks_alone = not flash_attention(self.config)
         self._ctx = ll.llama_init_from_model(self._model, params)
         if not self._ctx:
             raise RuntimeError(f"llama.cpp could not create a context of {n_ctx} tokens")
@@ -240,12 +242,12 @@ class LlamaCppBackend(Backend):
         params = ll.llama_context_default_params()
         params.n_ctx = embed_cells(self.config)
         params.n_batch = params.n_ubatch = embed_batch_tokens(self.config)
-        exact = self.config.options.get("flash_attn", "auto") is False
+        exact = not flash_attention(self.config)
         params.n_seq_max = self.max_embed_inputs = 1 if exact else params.n_batch
         params.kv_unified = True
         params.n_threads = params.n_threads_batch = self._threads
         params.type_k = params.type_v = _GGML_TYPE[self.config.kv_cache_dtype]
-        params.flash_attn_type = _FLASH_ATTN[self.config.options.get("flash_attn", "auto")]
+        params.flash_attn_type = _FLASH_ATTN[flash_attention(self.config)]
         params.embeddings = True
         params.pooling_type = 0  # LLAMA_POOLING_TYPE_NONE: each row's hidden state
         params.no_perf = True

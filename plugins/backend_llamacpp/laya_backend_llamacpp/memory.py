@@ -39,6 +39,20 @@ def _prompt_logits(vocab_size: int, num_rows: int) -> Overhead:
                     f"{SCORE_BLOCK_ROWS} rows x vocab x 8 B to score them")
 
 
+def flash_attention(config: ModelConfig) -> bool | str:
+    """The ``flash_attn`` option in force: false unless the manifest says otherwise.
+
+    Off, a greedy request's tokens and log-probabilities are the same alone, beside any
+    neighbours, from the prefix cache or cold, at any thread count. On ("auto" or true),
+    llama.cpp's CPU flash attention picks its kernel by the batch's shape (a tiled one for 64
+    or more query rows of a sequence, a KV split across threads for one lone query over 512
+    or more cells), so the same prompt answered differently cold and from the cache (20 of 20
+    cached repeats of one chat differed from its first answer, Intel Xeon). The cost of off
+    is in docs/benchmarks.md."""
+    value: bool | str = config.options.get("flash_attn", False)
+    return value
+
+
 def saved_kv_tokens(config: ModelConfig, n_ctx: int) -> int:
     """Tokens of evicted streams' KV kept in host memory for later prompts: the option, or a
     quarter of the pool. A stream holds one sequence, so without these only as many
@@ -83,7 +97,7 @@ def _embeddings(config: ModelConfig, shape: ModelShape, per_token: int) -> Overh
     keeps every batch row's logits and hidden state in its output buffer."""
     cells, batch = embed_cells(config), embed_batch_tokens(config)
     compute = batch * (shape.vocab_size + 2 * shape.hidden_size) * 4
-    if config.options.get("flash_attn", "auto") is False:
+    if not flash_attention(config):
         compute += batch * cells * shape.n_heads * 4
     outputs = batch * (shape.vocab_size + shape.hidden_size) * 4
     return Overhead("embeddings", cells * per_token + compute + outputs + EMBED_SLACK_BYTES,
@@ -95,10 +109,14 @@ def _embeddings(config: ModelConfig, shape: ModelShape, per_token: int) -> Overh
 def memory_profile(config: ModelConfig, shape: ModelShape) -> MemoryProfile:
     """llama.cpp's buffers, as its allocator sizes them on the CPU.
 
-    Checked against llama.cpp's own report for SmolLM2-135M: with flash attention (what
-    "auto" picks on the CPU) the compute buffer is n_ubatch x (vocab + 2 x hidden) x 4 B,
-    98.25 MiB at n_ubatch 512; without it, the attention scores add up to
-    n_ubatch x n_ctx x heads x 4 B (326 MiB at n_ctx 16384), counted here in full.
+    Checked against llama.cpp's own report for SmolLM2-135M: with flash attention the
+    compute buffer is n_ubatch x (vocab + 2 x hidden) x 4 B and a little more, 98.25 MiB at
+    n_ubatch 512 with 4 streams of 4,096 cells, 102.51 MiB with 4 of 2,048.
+    Without it (the default), a step's attention scores and their float32 mask, n_ubatch x
+    the cells one sequence's attention spans x (heads + 1) x 4 B, live before the logits do,
+    so the buffer holds the larger of the two, plus a little: 99.38 MiB with 4 streams of
+    4,096 cells (scores 80 MiB), 326.38 MiB with one buffer of 16,384 cells (320 MiB);
+    counted as the larger + n_ubatch x hidden x 32 B (9 MiB at 512).
     """
     step, seqs = config.max_step_tokens, config.max_num_seqs or 1
     pool = config.kv_cache_tokens or 0
@@ -107,9 +125,14 @@ def memory_profile(config: ModelConfig, shape: ModelShape) -> MemoryProfile:
     saved = saved_kv_tokens(config, pool)
     compute = step * (shape.vocab_size + 2 * shape.hidden_size) * 4
     how = f"{step} step tokens x (vocab {shape.vocab_size} + 2 x hidden) x 4 B"
-    if config.options.get("flash_attn", "auto") is False:
-        compute += step * (config.kv_cache_tokens or 0) * shape.n_heads * 4
-        how += " + attention scores (flash attention off)"
+    if not flash_attention(config):
+        view = cells if unified else cells // seqs  # the cells one attention spans
+        scores = step * view * (shape.n_heads + 1) * 4
+        compute = max(compute, scores)
+        how = (f"the larger of {how} and attention scores with their mask (flash attention "
+               f"off: {step} x {view} cells x (heads {shape.n_heads} + 1) x 4 B)")
+    compute += step * shape.hidden_size * 32  # the rest: masks, norms (measured, below)
+    how += f", + {step} x hidden x 32 B"
     return MemoryProfile(
         weights_bytes=shape.weights_bytes, weights_source=shape.weights_source,
         kv_bytes_per_token=per_token, kv_dtype=config.kv_cache_dtype,
