@@ -37,6 +37,7 @@ from typing import Any, NoReturn
 import attrs
 
 from laya_core.chat_template import ChatTemplate, TemplateError, TemplateRefusal
+from laya_core.child_exit import describe_exit
 
 log = logging.getLogger(__name__)
 # The child's own start costs about 22 MiB resident and 26 MiB of address space (Python,
@@ -283,15 +284,7 @@ def _reaped(proc: subprocess.Popen[bytes]) -> str:
 
 
 def _exit_of(proc: subprocess.Popen[bytes]) -> str:
-    code = proc.poll()
-    if code is None:
-        return "stopped answering"
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
+    return describe_exit(proc.poll(), "stopped answering")
 
 
 def _is_stopped(pid: int) -> bool:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from laya_core.backend import Backend, ModelConfig
+from laya_core.child_exit import describe_exit
 from laya_core.client import EngineState
 from laya_core.logs import resident_bytes
 from laya_core.remote_client import RemoteEngineClient
@@ -50,14 +50,7 @@ _OUTPUT_LINES = 30
 
 
 def _died(code: int | None) -> str:
-    if code is None:
-        return "closed its connection"
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
+    return describe_exit(code, "closed its connection")
 
 
 class WorkerEngineClient(RemoteEngineClient):

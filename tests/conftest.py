@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -176,3 +177,15 @@ def q4_0_model(tmp_path_factory: pytest.TempPathFactory) -> str:
                                         str(out).encode(), ctypes.byref(params))
     assert rc == 0, f"llama_model_quantize returned {rc}"
     return str(out)
+
+
+@pytest.fixture
+def stopped() -> Iterator[list[int]]:
+    """Pids the test stops; each gets a SIGCONT afterwards, in case it still lives."""
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass

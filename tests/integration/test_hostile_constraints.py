@@ -19,6 +19,7 @@ import pytest
 from conftest import FRONT_END_BACKENDS, ServerProcess, runtime, serving, smollm_manifest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hostile_schemas import ref_chain, ref_nesting
 
 from laya_core.logs import resident_bytes
 from laya_core.structured.sandbox import CompileLimits
@@ -30,19 +31,6 @@ SCHEMA = "response_format.json_schema.schema"
 def with_schema(schema: Any) -> dict[str, Any]:
     return {"response_format": {"type": "json_schema",
                                 "json_schema": {"name": "x", "schema": schema}}}
-
-
-def ref_chain(n: int) -> dict[str, Any]:
-    defs: dict[str, Any] = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
-    defs[f"d{n}"] = {"type": "string"}
-    return {"$ref": "#/$defs/d0", "$defs": defs}
-
-
-def ref_nesting(n: int) -> dict[str, Any]:
-    defs: dict[str, Any] = {f"d{i}": {"type": "object", "required": ["x"], "properties": {
-        "x": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(n)}
-    defs[f"d{n}"] = {"type": "integer"}
-    return {"$ref": "#/$defs/d0", "$defs": defs}
 
 
 # The cases: each crashed the replica (SIGSEGV), froze the server, grew the worker

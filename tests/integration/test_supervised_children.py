@@ -52,18 +52,6 @@ def server(request: pytest.FixtureRequest,
         s.stop()
 
 
-@pytest.fixture
-def stopped() -> Iterator[list[int]]:
-    """Pids the test stops; each gets a SIGCONT afterwards, in case it still lives."""
-    pids: list[int] = []
-    yield pids
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-
-
 def ready(server: ServerProcess) -> dict[str, Any]:
     return dict(httpx.get(f"{server.url}/ready", timeout=30).json())
 

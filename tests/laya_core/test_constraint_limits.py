@@ -12,6 +12,7 @@ from typing import Any
 
 import llguidance
 import pytest
+from hostile_schemas import ref_chain, ref_nesting
 from toy_backend import END, ToyTokenizer
 
 from laya_core.backend import ModelInfo
@@ -23,19 +24,6 @@ from laya_core.structured.spec import ConstraintSpec, GrammarError
 TOY_INFO = ModelInfo(n_ctx_train=512, vocab_size=257, eog_token_ids=frozenset({END}),
                      chat_template=None, bos_token="", eos_token="", add_bos=False)
 SCHEMA = "response_format.json_schema.schema"
-
-
-def ref_chain(n: int) -> dict[str, Any]:
-    defs: dict[str, Any] = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
-    defs[f"d{n}"] = {"type": "string"}
-    return {"$ref": "#/$defs/d0", "$defs": defs}
-
-
-def ref_nesting(n: int) -> dict[str, Any]:
-    defs: dict[str, Any] = {f"d{i}": {"type": "object", "required": ["x"], "properties": {
-        "x": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(n)}
-    defs[f"d{n}"] = {"type": "integer"}
-    return {"$ref": "#/$defs/d0", "$defs": defs}
 
 
 def lark_chain(n: int) -> str:

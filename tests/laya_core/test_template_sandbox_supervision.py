@@ -10,7 +10,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import psutil
 import pytest
@@ -22,18 +22,6 @@ HI = [{"role": "user", "content": "hi"}]
 CHATML_HI = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 LOOP_FOREVER = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
                 "{% endfor %}")
-
-
-@pytest.fixture
-def stopped() -> Iterator[list[int]]:
-    """Pids the test stops; each gets a SIGCONT afterwards, in case it still lives."""
-    pids: list[int] = []
-    yield pids
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
 
 
 def started(limits: RenderLimits) -> tuple[TemplateSandbox, int]:

@@ -10,7 +10,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -44,18 +43,6 @@ def deployment(monkeypatch: pytest.MonkeyPatch, timeout_s: float, replicas: int 
     d = Deployment(manifest, registry, worker_plugins=["toy_backend:PLUGIN"])
     d.start()
     return d
-
-
-@pytest.fixture
-def stopped() -> Iterator[list[int]]:
-    """Pids the test stops; each gets a SIGCONT afterwards, in case it still lives."""
-    pids: list[int] = []
-    yield pids
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
 
 
 def wait_for(condition: object, timeout: float = 60.0) -> None:
