@@ -50,12 +50,12 @@ def reference(server: ServerProcess) -> Iterator[Reference]:
         settings = runtime(server)
         yield torch_reference(settings["dtype"], settings["quantize"])
         return
-    import llama_cpp
+    from llama_reference import reference_llama
 
     # The high-level API with logits for all rows, one thread (this is pytest's thread).
-    llm = llama_cpp.Llama(model_path=embedded_file("smollm2-135m-instruct"), n_ctx=512,
-                          n_batch=512, n_threads=1, n_threads_batch=1, logits_all=True,
-                          flash_attn=False, verbose=False)
+    llm = reference_llama(embedded_file("smollm2-135m-instruct"), n_ctx=512, n_batch=512,
+                          n_threads=1, n_threads_batch=1, logits_all=True, flash_attn=False,
+                          verbose=False)
 
     def log_softmax(tokens: list[int]) -> np.ndarray:
         llm.reset()
