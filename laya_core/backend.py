@@ -239,8 +239,8 @@ class Backend(abc.ABC):
         raise NotImplementedError(f"the {self.name} backend cannot compute embeddings")
 
     def embed_step(self, plan: EmbedPlan) -> Sequence[Sequence[float] | None]:
-        """One embedding pass (laya_core/embed_queue.py plans it after each step, in what
-        the step left of ``max_step_tokens``): forget ``plan.dropped``, then feed every
+        """One embedding pass (laya_core/embed_queue.py plans it after each step, of at most
+        a quarter of ``max_step_tokens``): forget ``plan.dropped``, then feed every
         chunk of ``plan.chunks`` as one batch. Returns, per chunk, the input's pooled
         vector (as ``embed`` does) where ``chunk.last``, else None.
 

@@ -8,9 +8,9 @@ hands it to the HTTP side as little-endian float32 bytes: immutable, and already
 ``encoding_format = "base64"`` sends.
 
 Embedding work runs on the replica's engine thread, after each step, in an
-:class:`EmbedPlan` of its own that takes what the step left of its token budget
+:class:`EmbedPlan` of its own of a quarter of the step's token budget
 (``laya_core/embed_queue.py``): the inputs of every waiting request, cut into chunks and
-batched, so that a decoding sequence waits at most one step's worth of embedding. Never
+batched, so that a decoding sequence waits at most that much embedding. Never
 beside a step: the two would share the backend's weights and the same cores, and on a CPU
 two thread pools on the same cores slow each other down many times over
 (docs/architecture.md, "Threads").

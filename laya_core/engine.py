@@ -312,7 +312,8 @@ class Engine:
             assert self.scheduler is not None and self._embeds is not None
             while self._drain_inbox(block=not (self.scheduler.has_work
                                                or self._embeds.has_work)):
-                self._embed_next(self._step())
+                self._step()
+                self._embed_next()
         except Exception as e:  # noqa: BLE001 - a plugin's fault fails this replica only
             self._fail(e)
         finally:
@@ -386,12 +387,12 @@ class Engine:
             elif (live := self._live.get(payload)) is not None:
                 self._finish(live, FinishReason.CANCELLED, "")
 
-    def _embed_next(self, step_tokens: int) -> None:
-        """One embedding pass after a step of ``step_tokens``, in what it left of the step's
-        token budget (at least a quarter of it): a decoding sequence waits at most
-        max_step_tokens of embedding work between two of its tokens."""
+    def _embed_next(self) -> None:
+        """One embedding pass after a step, of a quarter of the step's token budget
+        (``embed_budget``): a decoding sequence, or a request in the inbox, waits at most
+        that much embedding work."""
         assert self._embeds is not None and self.sizes is not None
-        plan = self._embeds.plan(embed_budget(self.sizes.max_step_tokens, step_tokens))
+        plan = self._embeds.plan(embed_budget(self.sizes.max_step_tokens))
         if plan is None:
             return
         self._flush()  # this step's tokens go out before the embedding runs
@@ -456,8 +457,7 @@ class Engine:
                 self.rejections[reason] += 1
             self._finish(self._live[seq.seq_id], FinishReason.REJECTED, "", why)
 
-    def _step(self) -> int:
-        """Plan and run one step; returns the tokens it fed."""
+    def _step(self) -> None:
         assert self.scheduler is not None
         if self.scheduler.waiting:
             deadline = time.perf_counter() - self.config.queue_timeout_s
@@ -476,9 +476,8 @@ class Engine:
         chunks = [c for c in plan.chunks if c.seq.seq_id in self._live]
         if not chunks:
             self._flush()
-            return 0
+            return
         items = [c.item() for c in chunks]
-        num_tokens = sum(len(item.tokens) for item in items)
         # The previous step's tokens and this step's admissions go out just before the model
         # runs: the model call releases the GIL, so the event loop formats and sends them
         # while it runs instead of holding the GIL between two steps (measured at concurrency
@@ -491,7 +490,7 @@ class Engine:
             for c in chunks:
                 self._finish(self._live[c.seq.seq_id], FinishReason.ERROR, "",
                              f"{type(e).__name__}: {e}")
-            return num_tokens
+            return
         for c, result in zip(chunks, sampled, strict=True):
             c.seq.num_computed += len(c.tokens)
             self.scheduler.kv.computed(c.seq)
@@ -505,7 +504,6 @@ class Engine:
                 self._on_token(live, result.sample)
         if not self.scheduler.has_work:
             self._flush()  # no next step to carry them
-        return num_tokens
 
     def _on_token(self, live: Live, sample: Sample) -> None:
         assert self.info is not None
