@@ -82,6 +82,9 @@ def test_llamacpp_embeds_what_its_own_pooling_gives(llamacpp: np.ndarray) -> Non
         params = ll.llama_context_default_params()
         params.n_ctx, params.n_batch, params.n_ubatch = 512, 512, 512
         params.embeddings, params.pooling_type = True, 3  # LLAMA_POOLING_TYPE_LAST
+        # as the backend computes by default: flash attention off (on, the two differ from
+        # the fourth digit: llama.cpp's kernels with and without it sum otherwise)
+        params.flash_attn_type = 0  # LLAMA_FLASH_ATTN_TYPE_DISABLED
         ctx = ll.llama_init_from_model(backend._model, params)
         ids = backend.tokenize(TEXTS[0], add_special=True)
         batch = ll.llama_batch_init(len(ids), 0, 1)
