@@ -89,8 +89,8 @@ class EmbedQueue:
                 break
             chunks.append(self._chunk(begun, budget))
             budget -= len(chunks[-1].tokens)
-        while budget > 0 and (begun := self._begin(budget, bool(chunks))) is not None:
-            chunks.append(self._chunk(begun, budget))
+        while budget > 0 and (new := self._begin(budget, bool(chunks))) is not None:
+            chunks.append(self._chunk(new, budget))
             budget -= len(chunks[-1].tokens)
         if not chunks:
             return None

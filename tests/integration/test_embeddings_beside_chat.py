@@ -113,7 +113,7 @@ def test_a_chat_beside_a_large_embedding_gets_a_step_per_budget(
     assert len(steps) == MAX_TOKENS  # its prefill, then a decode for each further token
     # Between two of the chat's steps, one pass of at most a quarter of the step's budget;
     # and one there always was: the two interleave step by step.
-    between = [sum(n for _, n in calls[a + 1:b]) for a, b in zip(steps, steps[1:])]
+    between = [sum(n for _, n in calls[a + 1:b]) for a, b in zip(steps, steps[1:], strict=False)]
     assert all(0 < n <= embed_budget(STEP) == STEP // 4 for n in between), calls
     assert steps[-1] < len(calls) - 1 and calls[-1][0] == "embed"  # embedding went on after
 
