@@ -26,8 +26,9 @@ port = {port}
 
 [memory]
 # room for the same KV pool as before the 64 MiB template sandbox, 11 MiB of saved KV,
-# 50 MiB of grammars, and the worker process with the front end's tokenizer
-budget = "540MiB"
+# 237 MiB of grammars (the index, the cache, one compile, the compile child), and the
+# worker process with the front end's tokenizer
+budget = "730MiB"
 
 [[models]]
 name = "smollm2"
