@@ -15,8 +15,9 @@ same cells, applied at once, and a sequence's sums depend on the other sequences
 from __future__ import annotations
 
 import pytest
+from backend_steps import generate
 
-from laya_core.backend import ModelConfig, StepItem
+from laya_core.backend import ModelConfig
 from laya_core.builtin.model_paths import embedded_file
 from laya_core.types import SamplingParams
 
@@ -49,16 +50,6 @@ def prompts(b) -> tuple[list[int], list[int]]:
     theirs = b.tokenize("Neighbour two: write a poem about the number 2, with rhymes, "
                         "in the voice of a pirate who loves arithmetic.", add_special=True)
     return mine, theirs
-
-
-def generate(b, slot: int, fed: list[int], start: int, n: int = 8) -> list[object]:
-    out: list[object] = []
-    for _ in range(n):
-        sample = b.step([StepItem(slot, fed, start, True)])[0].sample
-        assert sample is not None
-        out.append(sample)
-        start, fed = start + len(fed), [sample.token_id]
-    return out
 
 
 def cold(b, tokens: list[int], slot: int = 0) -> list[object]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import backend_steps as steps
 import pytest
 
 from laya_core import manifest as mf
@@ -132,7 +133,7 @@ def test_moved_kv_continues_exactly_as_before(kv_unified: bool) -> None:
     takes it over at its new slot continues as the original would have."""
     from laya_backend_llamacpp.backend import LlamaCppBackend
 
-    from laya_core.backend import ModelConfig, StepItem
+    from laya_core.backend import ModelConfig
     from laya_core.builtin.model_paths import embedded_file
 
     config = ModelConfig(name="m", backend="llamacpp", path=embedded_file("smollm2-135m-instruct"),
@@ -146,13 +147,7 @@ def test_moved_kv_continues_exactly_as_before(kv_unified: bool) -> None:
     other = b.tokenize("A different text that overwrites slot one.", add_special=True)
 
     def generate(slot: int, fed: list[int], start: int, n: int = 8) -> list[int]:
-        out: list[int] = []
-        for _ in range(n):
-            sample = b.step([StepItem(slot, fed, start, True)])[0].sample
-            assert sample is not None
-            out.append(sample.token_id)
-            start, fed = start + len(fed), [sample.token_id]
-        return out
+        return [s.token_id for s in steps.generate(b, slot, fed, start, n)]
 
     try:
         b.start_sequence(1, greedy)
@@ -213,7 +208,7 @@ def test_saved_kv_restored_into_another_slot_continues_exactly(kv_unified: bool)
     from laya_backend_llamacpp.backend import LlamaCppBackend
     from laya_backend_llamacpp.memory import SAVED_CELL_BYTES
 
-    from laya_core.backend import ModelConfig, StepItem
+    from laya_core.backend import ModelConfig
     from laya_core.builtin.model_paths import embedded_file
 
     config = ModelConfig(name="m", backend="llamacpp", path=embedded_file("smollm2-135m-instruct"),
@@ -227,13 +222,7 @@ def test_saved_kv_restored_into_another_slot_continues_exactly(kv_unified: bool)
     prompt = b.tokenize(SYSTEM[:300] + " Question: what is a prime number?", add_special=True)
 
     def generate(slot: int, fed: list[int], start: int, n: int = 8) -> list[object]:
-        out: list[object] = []
-        for _ in range(n):
-            sample = b.step([StepItem(slot, fed, start, True)])[0].sample
-            assert sample is not None
-            out.append(sample)
-            start, fed = start + len(fed), [sample.token_id]
-        return out
+        return list(steps.generate(b, slot, fed, start, n))
 
     try:
         b.start_sequence(1, greedy)
