@@ -75,7 +75,8 @@ backend.load_weights()
 backend.allocate_cache(n_ctx=2048, max_num_seqs=2)
 backend.allocate_embedder()
 backend.embed(list(range(100, 1124)))  # the weights' pages in, through this first context
-first = backend._embed_ctx, backend._embed_batch
+first = backend._embedder
+backend._embedder = None  # kept open beside the second
 before = resident()
 backend.allocate_embedder()  # a second one beside it: what one context costs
 backend.embed(list(range(200, 1224)))
@@ -83,8 +84,7 @@ backend.embed(list(range(200, 1224)))
 backend.embed_step(EmbedPlan(tuple(EmbedChunk(s, (300 + s,), 0, True)
                                    for s in range(backend.max_embed_inputs))))
 print(resident() - before)
-backend._ll.llama_free(first[0])
-backend._ll.llama_batch_free(first[1])
+first.close()
 backend.close()
 """
 

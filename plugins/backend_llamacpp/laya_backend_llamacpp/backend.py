@@ -15,44 +15,38 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from laya_core.allowed_tokens import NO_TOKEN_ALLOWED
-from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem, StepResult
-from laya_core.kv_dtypes import KV_DTYPE_NAMES
-from laya_core.memory_plan import MemoryProfile
-from laya_core.model_files import ModelShape, read_shape
-from laya_core.types import Sample, SamplingParams
 
 from laya_backend_llamacpp import cpu, memory, sampling
+from laya_backend_llamacpp.embedder import Embedder
 from laya_backend_llamacpp.llama_log import LLAMA_LOG, weight_buffers
 from laya_backend_llamacpp.memory import (
+    GGML_TYPE,
+    LLAMA_FLASH_ATTN,
     SCORE_BLOCK_ROWS,
     embed_batch_tokens,
-    embed_cells,
     flash_attention,
     kv_layout,
     saved_kv_tokens,
 )
-from laya_core.embeddings import (
-    DEFAULT_POOLING,
-    EmbedChunk,
-    EmbedPlan,
-    embed_whole,
-    pooled_rows,
-)
-from laya_core.threads import ThreadGovernor
 from laya_backend_llamacpp.tokenizer import (
     LlamaTokenizer,
     VocabularyTokenizer,
     special_texts,
     token_text,
 )
+from laya_core.allowed_tokens import NO_TOKEN_ALLOWED
+from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem, StepResult
+from laya_core.embeddings import DEFAULT_POOLING, EmbedPlan, embed_whole
+from laya_core.kv_dtypes import KV_DTYPE_NAMES
+from laya_core.memory_plan import MemoryProfile
+from laya_core.model_files import ModelShape, read_shape
+from laya_core.threads import ThreadGovernor
+from laya_core.types import Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 
-_FLASH_ATTN = {"auto": -1, False: 0, True: 1}  # llama_flash_attn_type
 _LOAD_MODE = {True: 1, False: 0}  # use_mmap -> llama_load_mode: MMAP, NONE
 _MAX_THREADS = 512  # GGML_MAX_N_THREADS
-_GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}  # enum ggml_type
 
 
 def _u8(buf: np.ndarray) -> Any:
@@ -128,8 +122,7 @@ class LlamaCppBackend(Backend):
     _governor: ThreadGovernor | None = None
     _fixed_threads: int | None = None
     _tokenizer: LlamaTokenizer | None = None
-    _embed_ctx: Any = None
-    _embed_batch: Any = None
+    _embedder: Embedder | None = None
 
     def load_weights(self) -> ModelInfo:
         ll = self._ll = _llama()
@@ -202,9 +195,9 @@ class LlamaCppBackend(Backend):
         # With a stream per slot, each run of consecutive slots is its own forward pass.
         self.supports_moving = not self._unified
         params.kv_unified = self._unified
-        params.type_k = params.type_v = _GGML_TYPE[self.config.kv_cache_dtype]
+        params.type_k = params.type_v = GGML_TYPE[self.config.kv_cache_dtype]
         params.no_perf = True
-        params.flash_attn_type = _FLASH_ATTN[flash_attention(self.config)]
+        params.flash_attn_type = LLAMA_FLASH_ATTN[flash_attention(self.config)]
         self._chunks_alone = not flash_attention(self.config)
         self._ctx = ll.llama_init_from_model(self._model, params)
         if not self._ctx:
@@ -218,47 +211,12 @@ class LlamaCppBackend(Backend):
         self._threads = int(threads)
 
     def allocate_embedder(self) -> None:
-        """The embedding context: llama.cpp's own, beside the slots' (memory.py,
-        ``embeddings``). A context of its own rather than a slot of the main one: a slot
-        is the cache policy's, and the main context computes no hidden states.
-        Pooling is ``none`` here and done in ``embed_step``, so an input is fed in chunks
-        over several decodes whatever the model's pooling.
-
-        Its KV is one buffer of ``max_seq_len`` cells (``kv_unified``) that up to one batch
-        of inputs share, each its own llama.cpp sequence (``n_seq_max``), so short inputs
-        go through one decode together; llama.cpp masks each sequence's attention to its
-        own cells, and places a batch's tokens in any free cells. ``n_seq_max`` is at most
-        the batch's size because llama.cpp keeps output rows for that many sequences,
-        which the plan counts (the batch's rows).
-
-        With flash attention off (the default) an input alone in the buffer gets the same
-        bits in any chunks. Beside other inputs it can differ in its last digits (72 inputs
-        of 2 to 120 tokens in 128-token passes: cosine 0.99938 at the least against alone;
-        a one-token input always the same bits): its attention then sums over cells at
-        other offsets, which llama.cpp's vectorized sums group otherwise. With flash
-        attention on, a decode of 64 tokens or more also takes another kernel (tiled) than a
-        smaller one (0.9984). Batching is kept because it is what makes many short inputs
-        cheap (2,048 one-token inputs in 16 decodes: 13.8 s of CPU against 37 s in 2,048);
-        the slots' context, and so a generation's determinism, is untouched."""
-        ll = self._ll
-        params = ll.llama_context_default_params()
-        params.n_ctx = embed_cells(self.config)
-        params.n_batch = params.n_ubatch = embed_batch_tokens(self.config)
-        params.n_seq_max = self.max_embed_inputs = params.n_batch
-        params.kv_unified = True
-        params.n_threads = params.n_threads_batch = self._threads
-        params.type_k = params.type_v = _GGML_TYPE[self.config.kv_cache_dtype]
-        params.flash_attn_type = _FLASH_ATTN[flash_attention(self.config)]
-        params.embeddings = True
-        params.pooling_type = 0  # LLAMA_POOLING_TYPE_NONE: each row's hidden state
-        params.no_perf = True
-        self._embed_ctx = ll.llama_init_from_model(self._model, params)
-        if not self._embed_ctx:
-            raise RuntimeError("llama.cpp could not create the embedding context")
-        self._embed_batch = ll.llama_batch_init(params.n_batch, 0, 1)
-        self._n_embd = ll.llama_model_n_embd(self._model)
-        # Per embedding sequence: the sum of its pooled rows so far (float64).
-        self._embed_sums: dict[int, np.ndarray] = {}
+        """The embedding context (``embedder.Embedder``), llama.cpp's own beside the slots'."""
+        if self._embedder is not None:
+            self._embedder.close()
+        self._embedder = Embedder(self._ll, self._model, self.config, self._threads,
+                                  self.pooling)
+        self.max_embed_inputs = self._embedder.max_inputs
 
     def embed(self, token_ids: Sequence[int]) -> np.ndarray:
         """The final norm's hidden states of ``token_ids``, pooled (``self.pooling``), from
@@ -266,65 +224,11 @@ class LlamaCppBackend(Backend):
         return embed_whole(self.embed_step, token_ids, embed_batch_tokens(self.config))
 
     def embed_step(self, plan: EmbedPlan) -> list[np.ndarray | None]:
-        """Feed ``plan``'s chunks (Backend.embed_step) through the embedding context, in
-        decodes of its batch size; each input's pooled rows are summed as they come."""
-        ll, ctx = self._ll, self._embed_ctx
-        if self._governor is not None:  # as many threads as the slots' context has now
-            ll.llama_set_n_threads(ctx, self._governor.threads, self._governor.threads)
-        for seq in plan.dropped:
-            self._drop_embedding(seq)
-        # One row per token: (chunk index, position, token, whether pooling reads it).
-        rows = [(i, c.start + j, token, j in wanted)
-                for i, c in enumerate(plan.chunks)
-                for wanted in [pooled_rows(self.pooling, c.start, len(c.tokens), c.last)]
-                for j, token in enumerate(c.tokens)]
-        size = embed_batch_tokens(self.config)
-        try:
-            for begin in range(0, len(rows), size):
-                self._decode_embeddings(plan.chunks, rows[begin:begin + size])
-        except BaseException:
-            for c in plan.chunks:
-                self._drop_embedding(c.seq)
-            raise
-        out: list[np.ndarray | None] = []
-        for c in plan.chunks:
-            if not c.last:
-                out.append(None)
-                continue
-            pooled = self._embed_sums.pop(c.seq, np.zeros(self._n_embd, np.float64))
-            self._drop_embedding(c.seq)
-            out.append(pooled / (c.start + len(c.tokens)) if self.pooling == "mean" else pooled)
-        return out
-
-    def _decode_embeddings(self, chunks: Sequence[EmbedChunk],
-                           rows: list[tuple[int, int, int, bool]]) -> None:
-        """One llama_decode of ``rows`` (at most a batch); adds the pooled rows' hidden
-        states to their sequences' sums."""
-        ll, ctx, batch = self._ll, self._embed_ctx, self._embed_batch
-        for j, (i, pos, token, wanted) in enumerate(rows):
-            batch.token[j] = token
-            batch.pos[j] = pos
-            batch.n_seq_id[j] = 1
-            batch.seq_id[j][0] = chunks[i].seq
-            batch.logits[j] = wanted
-        batch.n_tokens = len(rows)
-        rc = ll.llama_decode(ctx, batch)
-        if rc != 0:
-            raise RuntimeError(f"llama_decode returned {rc} embedding {len(rows)} tokens")
-        for j, (i, _, _, wanted) in enumerate(rows):
-            if wanted:
-                seq = chunks[i].seq
-                row = np.ctypeslib.as_array(ll.llama_get_embeddings_ith(ctx, j),
-                                            shape=(self._n_embd,))
-                if seq in self._embed_sums:
-                    self._embed_sums[seq] += row
-                else:
-                    self._embed_sums[seq] = row.astype(np.float64)
-
-    def _drop_embedding(self, seq: int) -> None:
-        """Forget embedding sequence ``seq``: its KV cells and its sum (either may be gone)."""
-        self._embed_sums.pop(seq, None)
-        self._ll.llama_memory_seq_rm(self._ll.llama_get_memory(self._embed_ctx), seq, -1, -1)
+        """Feed ``plan``'s chunks (Backend.embed_step) through the embedding context, with
+        as many threads as the slots' context has now."""
+        assert self._embedder is not None, "allocate_embedder first"
+        governor = self._governor
+        return self._embedder.step(plan, governor.threads if governor is not None else None)
 
     def describe(self) -> dict[str, Any]:
         # Python state only: this runs on other threads, even while the context is freed.
@@ -535,12 +439,9 @@ class LlamaCppBackend(Backend):
         if self._batch is not None:
             ll.llama_batch_free(self._batch)
             self._batch = None
-        if self._embed_batch is not None:
-            ll.llama_batch_free(self._embed_batch)
-            self._embed_batch = None
-        if self._embed_ctx:
-            ll.llama_free(self._embed_ctx)
-            self._embed_ctx = None
+        if self._embedder is not None:
+            self._embedder.close()
+            self._embedder = None
         if self._ctx:
             ll.llama_free(self._ctx)
             self._ctx = None

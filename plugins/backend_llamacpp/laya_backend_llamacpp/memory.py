@@ -39,6 +39,11 @@ def _prompt_logits(vocab_size: int, num_rows: int) -> Overhead:
                     f"{SCORE_BLOCK_ROWS} rows x vocab x 8 B to score them")
 
 
+# What llama.cpp's context parameters take for the KV element type and flash_attn.
+GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}  # enum ggml_type
+LLAMA_FLASH_ATTN = {"auto": -1, False: 0, True: 1}  # enum llama_flash_attn_type
+
+
 def flash_attention(config: ModelConfig) -> bool | str:
     """The ``flash_attn`` option in force: false unless the manifest says otherwise.
 
