@@ -61,7 +61,7 @@ test: test-system-deps install
 
 # Programs the tests run that pip cannot install: Debian's Chromium, which
 # tests/integration/test_dashboard.py drives through Playwright (executable_path, no browser
-# download), and systemd-analyze, which tests/laya_core/test_systemd.py verifies the generated
+# download), and systemd-analyze, which tests/laya_core/cli/test_systemd.py verifies the generated
 # unit with. Installed with apt-get when make runs as root on Debian or Ubuntu; elsewhere make
 # stops before pytest with the command to run.
 test-system-deps:

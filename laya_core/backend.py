@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
-from laya_core.tokenizer import Tokenizer
+from laya_core.models.tokenizer import Tokenizer
 from laya_core.types import Sample, SamplingParams
 
 if TYPE_CHECKING:
-    from laya_core.allowed_tokens import AllowedTokens
-    from laya_core.embeddings import EmbedPlan
-    from laya_core.memory_plan import MemoryProfile
-    from laya_core.model_files import ModelShape
+    from laya_core.engine.allowed_tokens import AllowedTokens
+    from laya_core.engine.embed_jobs import EmbedPlan
+    from laya_core.memory.ledger import MemoryProfile
+    from laya_core.models.files import ModelShape
 
 
 @attrs.frozen
@@ -65,7 +65,7 @@ class ModelInfo:
     add_bos: bool
     description: str = ""
     # Texts that ``encode(..., parse_special=True)`` turns into control tokens; message
-    # content holding them is tokenized as text instead (laya_core/chat_prompt.py).
+    # content holding them is tokenized as text instead (laya_core/serving/chat_prompt.py).
     special_tokens: frozenset[str] = frozenset()
 
 
@@ -175,7 +175,7 @@ class Backend(abc.ABC):
         generic compute buffer (one step's logits and activations, float32); backends that
         know their allocator better override this.
         """
-        from laya_core.memory_plan import MemoryProfile, Overhead, kv_bytes_per_token
+        from laya_core.memory.ledger import MemoryProfile, Overhead, kv_bytes_per_token
 
         step = config.max_step_tokens
         compute = step * (shape.vocab_size + 4 * shape.hidden_size) * 4
@@ -239,7 +239,7 @@ class Backend(abc.ABC):
         raise NotImplementedError(f"the {self.name} backend cannot compute embeddings")
 
     def embed_step(self, plan: EmbedPlan) -> Sequence[Sequence[float] | None]:
-        """One embedding pass (laya_core/embed_queue.py plans it after each step, of at most
+        """One embedding pass (laya_core/engine/embed_queue.py plans it after each step, of at most
         a quarter of ``max_step_tokens``): forget ``plan.dropped``, then feed every
         chunk of ``plan.chunks`` as one batch. Returns, per chunk, the input's pooled
         vector (as ``embed`` does) where ``chunk.last``, else None.
@@ -255,7 +255,7 @@ class Backend(abc.ABC):
 
     def load_tokenizer(self) -> Tokenizer | None:
         """The model's tokenizer without its weights, on an instance that was never loaded:
-        for a front end whose replica runs in a worker process (laya_core/worker_client.py),
+        for a front end whose replica runs in a worker process (laya_core/replica/worker_client.py),
         which tokenizes prompts itself. Called from any thread; it must be cheap in time and
         memory (a vocabulary, not a model). None, the default: the backend cannot, and its
         replicas run in the server's process."""

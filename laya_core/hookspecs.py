@@ -33,7 +33,7 @@ def register_backends(register: Register) -> None:
 def register_routers(register: Register) -> None:
     """Register routing policies: ``register(name, factory)``.
 
-    ``factory()`` returns an object implementing :class:`laya_core.router.Router`.
+    ``factory()`` returns an object implementing :class:`laya_core.routing.router.Router`.
     The name is what a manifest writes in ``[router] impl``.
     """
 
@@ -42,8 +42,8 @@ def register_routers(register: Register) -> None:
 def register_schedulers(register: Register) -> None:
     """Register scheduling policies: ``register(name, cls)``.
 
-    ``cls(config, kv)`` (a :class:`laya_core.scheduler.SchedulerConfig` and the replica's
-    :class:`laya_core.kv_cache.KVCache`) returns a :class:`laya_core.scheduler.Scheduler`.
+    ``cls(config, kv)`` (a :class:`laya_core.engine.scheduler.SchedulerConfig` and the replica's
+    :class:`laya_core.kv.policies.KVCache`) returns a :class:`laya_core.engine.scheduler.Scheduler`.
     Its ``schedule()`` writes policy only: it admits waiting sequences (``can_admit`` /
     ``admit``) and returns ``self.plan(order)``, the running sequences in the order they are
     served this step; where their KV lives is the cache policy's. The name is what a
@@ -56,7 +56,7 @@ def register_cache_policies(register: Register) -> None:
     """Register KV-cache policies: ``register(name, cls)``.
 
     ``cls(num_tokens, max_num_seqs, prefix_caching=True)`` returns a
-    :class:`laya_core.kv_cache.KVCache` serving the KV layout in its ``layout`` class
+    :class:`laya_core.kv.policies.KVCache` serving the KV layout in its ``layout`` class
     attribute (a backend's ``kv_layout``): it allocates the backend's pool
     (``allocate(backend)``), admits sequences within it, finds their cached prefixes, and
     records the ops (objects with ``apply(backend)``) the engine applies before the step

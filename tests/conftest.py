@@ -42,7 +42,7 @@ class ServerProcess:
         self.log_path = workdir / "server.log"
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "laya_core.cli", "serve", *command],
+            [sys.executable, "-m", "laya_core.cli.main", "serve", *command],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
     def wait_ready(self, timeout: float = 120.0, api_key: str | None = None) -> None:

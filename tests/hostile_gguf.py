@@ -2,7 +2,7 @@
 
 Each function reads ``src`` (normally the embedded SmolLM2 file, :func:`embedded`) and writes
 an edited copy to ``dst``, returning ``dst``. The header is parsed here independently of
-``laya_core.model_files``, so a bug in the reader under test cannot hide in its fixtures.
+``laya_core.models.files``, so a bug in the reader under test cannot hide in its fixtures.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ from laya_backend_llamacpp.streams import StreamsKVCache
 from toy_backend import ToyBackend
 
 from laya_core.backend import ModelConfig, StepItem, StepResult
-from laya_core.engine import Engine
-from laya_core.scheduler import FcfsScheduler
+from laya_core.engine.engine import Engine
+from laya_core.engine.scheduler import FcfsScheduler
 from laya_core.types import Sample, SamplingParams
 
 

@@ -21,14 +21,14 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from laya_core.allowed_tokens import NO_TOKEN_ALLOWED
 from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem, StepResult
-from laya_core.engine import Engine
+from laya_core.engine.allowed_tokens import NO_TOKEN_ALLOWED
+from laya_core.engine.engine import Engine
+from laya_core.engine.scheduler import FcfsScheduler
 from laya_core.hookspecs import hookimpl
-from laya_core.kv_cache import PagedKVCache
-from laya_core.kv_manager import BLOCK_SIZE
-from laya_core.scheduler import FcfsScheduler
-from laya_core.tokenizer import Tokenizer
+from laya_core.kv.policies import PagedKVCache
+from laya_core.kv.pool import BLOCK_SIZE
+from laya_core.models.tokenizer import Tokenizer
 from laya_core.types import Sample, SamplingParams
 
 END = 256

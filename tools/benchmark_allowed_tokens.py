@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from laya_core.allowed_tokens import AllowedTokens
+from laya_core.engine.allowed_tokens import AllowedTokens
 
 
 def median_us(fn: Callable[[], object], runs: int) -> float:

@@ -111,7 +111,7 @@ def laya_server(spec: str, workdir: Path) -> Server:
     manifest.write_text(LAYA_MANIFEST.format(port=port, backend=backend, engine=engine,
                                              options="\n".join(
         f"{k} = {_toml_value(v)}" for k, v in table.items())))
-    argv = [python or sys.executable, "-m", "laya_core.cli", "serve", str(manifest)]
+    argv = [python or sys.executable, "-m", "laya_core.cli.main", "serve", str(manifest)]
     return Server(name, argv, "/ready", port)
 
 

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from laya_core.router import POLICIES, PythonRouter, Router, prefix_hashes
+from laya_core.routing.router import POLICIES, PythonRouter, Router, prefix_hashes
 
 # (model, replicas, aliases)
 MODELS = (

@@ -99,9 +99,9 @@ def compile_times(model_path: str) -> dict[str, Any]:
     """llguidance's vocabulary build and schema compiles, with llama.cpp's tokenizer."""
     from laya_backend_llamacpp.tokenizer import LlamaTokenizer  # noqa: F401 - plugin present
 
-    from laya_core import manifest as mf
-    from laya_core.deployment import Deployment
+    from laya_core.config import manifest as mf
     from laya_core.plugins import load_registry
+    from laya_core.serving.deployment import Deployment
     from laya_core.structured import formats
     from laya_core.structured.compiler import GrammarCompiler
     from laya_core.structured.tools import Tool, ToolUse, call_grammar

@@ -55,9 +55,9 @@ def reference_tokens_per_s(model: Any, ids: list[int], n: int) -> float:
 
 
 def start_engine(options: dict[str, Any], threads: int, concurrency: int) -> Any:
-    from laya_core import manifest as mf
-    from laya_core.deployment import Deployment
+    from laya_core.config import manifest as mf
     from laya_core.plugins import load_registry
+    from laya_core.serving.deployment import Deployment
 
     registry = load_registry()
     m = mf.resolve(mf.from_dict({"models": [{

@@ -114,7 +114,7 @@ def main() -> None:
     (work / "laya.toml").write_text(MANIFEST.format(
         port=args.port, engine=args.engine, max_seq_len=max(1024, args.tokens),
         max_step_tokens=args.max_step_tokens))
-    server = subprocess.Popen([sys.executable, "-m", "laya_core.cli", "serve",
+    server = subprocess.Popen([sys.executable, "-m", "laya_core.cli.main", "serve",
                                str(work / "laya.toml")],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -45,7 +45,7 @@ def main() -> None:
     args = ap.parse_args()
     base = f"http://127.0.0.1:{args.port}"
     server = subprocess.Popen(
-        [sys.executable, "-m", "laya_core.cli", "serve", "embedded:smollm2-135m-instruct",
+        [sys.executable, "-m", "laya_core.cli.main", "serve", "embedded:smollm2-135m-instruct",
          "--max-num-seqs", str(args.max_num_seqs), "--port", str(args.port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -1,7 +1,7 @@
 """Registers the core's KV-cache policy for paged backends as ``paged``."""
 
 from laya_core.hookspecs import Register, hookimpl
-from laya_core.kv_cache import PagedKVCache
+from laya_core.kv.policies import PagedKVCache
 
 
 @hookimpl

@@ -1,7 +1,7 @@
 """Registers the pure-Python reference router as ``python``."""
 
 from laya_core.hookspecs import Register, hookimpl
-from laya_core.router import PythonRouter
+from laya_core.routing.router import PythonRouter
 
 
 @hookimpl

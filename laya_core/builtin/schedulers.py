@@ -1,7 +1,7 @@
 """Registers the default scheduler as ``fcfs``."""
 
+from laya_core.engine.scheduler import FcfsScheduler
 from laya_core.hookspecs import Register, hookimpl
-from laya_core.scheduler import FcfsScheduler
 
 
 @hookimpl

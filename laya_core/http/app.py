@@ -14,23 +14,23 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from laya_core.chat_template import TemplateError
-from laya_core.deployment import Deployment, ModelUnavailableError
 from laya_core.http import generation as gen
 from laya_core.http.access_log import AccessLogMiddleware
 from laya_core.http.auth import ApiKeyMiddleware
 from laya_core.http.body import json_body
 from laya_core.http.completions import CompletionHandlers
 from laya_core.http.cors import Cors, cors_options
+from laya_core.http.dashboard import OPEN_PATHS, LatencyWindow, live_routes
 from laya_core.http.embeddings import EmbeddingHandler
 from laya_core.http.errors import APIError, http_exception_response, invalid
 from laya_core.http.hosts import HostCheckMiddleware, host_rule
-from laya_core.http.live import OPEN_PATHS, LatencyWindow, live_routes
 from laya_core.http.metrics import metrics_registry
 from laya_core.http.observe import Observer
 from laya_core.http.requests import parse_tokenize
 from laya_core.http.status import deployment_status
-from laya_core.tokenizer import TokenizerClosedError
+from laya_core.models.tokenizer import TokenizerClosedError
+from laya_core.serving.chat_template import TemplateError
+from laya_core.serving.deployment import Deployment, ModelUnavailableError
 
 log = logging.getLogger(__name__)
 

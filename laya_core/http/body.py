@@ -14,9 +14,9 @@ from typing import Any
 
 from starlette.requests import Request
 
+from laya_core.config.manifest import ServerConfig
 from laya_core.http import safe_json
 from laya_core.http.errors import APIError
-from laya_core.manifest import ServerConfig
 
 _PARSE_INLINE_BYTES = 256 * 2**10
 JSON_TYPE = "application/json"

@@ -11,8 +11,6 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from laya_core.chat_template import TemplateError
-from laya_core.deployment import Deployment
 from laya_core.http import access_log
 from laya_core.http import generation as gen
 from laya_core.http import openai_format as fmt
@@ -27,6 +25,8 @@ from laya_core.http.requests import (
     with_header_priority,
 )
 from laya_core.http.sse import SSEResponse
+from laya_core.serving.chat_template import TemplateError
+from laya_core.serving.deployment import Deployment
 from laya_core.structured.formats import CONSTRAINT_FIELDS
 from laya_core.structured.tools import ToolCallParser
 from laya_core.types import FinishReason, Timing

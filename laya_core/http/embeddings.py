@@ -3,7 +3,7 @@
 The body is validated (``embedding_requests.py``), the inputs are tokenized and checked
 against the model (vocabulary, ``max_seq_len``) on a worker thread, the router picks a
 replica as for a completion (the request counts in its load until answered), and the
-replica's engine embeds the inputs between its steps (laya_core/embeddings.py).
+replica's engine embeds the inputs between its steps (laya_core/engine/embed_jobs.py).
 """
 
 from __future__ import annotations
@@ -18,20 +18,20 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from laya_core.client import (
-    EngineClient,
-    EngineUnavailableError,
-    QueueFullError,
-    RequestTooLongError,
-)
-from laya_core.deployment import Deployment
-from laya_core.embeddings import Embeddings, EmbeddingsUnsupportedError
+from laya_core.engine.embed_jobs import Embeddings, EmbeddingsUnsupportedError
 from laya_core.http import access_log
 from laya_core.http import generation as gen
 from laya_core.http.body import json_body
 from laya_core.http.embedding_requests import EmbeddingRequest, parse_embedding
 from laya_core.http.errors import APIError, invalid
-from laya_core.router import NoRouteError
+from laya_core.replica.client import (
+    EngineClient,
+    EngineUnavailableError,
+    QueueFullError,
+    RequestTooLongError,
+)
+from laya_core.routing.router import NoRouteError
+from laya_core.serving.deployment import Deployment
 
 T = TypeVar("T")
 

@@ -10,19 +10,19 @@ from typing import Any
 
 import attrs
 
-from laya_core.client import (
+from laya_core.engine.stream import GenerationStream
+from laya_core.http.errors import APIError, invalid
+from laya_core.http.requests import ChatRequest, CompletionRequest, GenerationRequest
+from laya_core.replica.client import (
     EngineClient,
     EngineUnavailableError,
     GrammarError,
     QueueFullError,
     RequestTooLongError,
 )
-from laya_core.deployment import Deployment, ModelUnavailableError, UnknownModelError
-from laya_core.http.errors import APIError, invalid
-from laya_core.http.requests import ChatRequest, CompletionRequest, GenerationRequest
-from laya_core.router import NoRouteError, prefix_hashes
-from laya_core.stream import GenerationStream
-from laya_core.template_sandbox import TemplateUnavailableError
+from laya_core.routing.router import NoRouteError, prefix_hashes
+from laya_core.serving.deployment import Deployment, ModelUnavailableError, UnknownModelError
+from laya_core.serving.template_sandbox import TemplateUnavailableError
 from laya_core.types import FinishReason, Sample, SamplingParams, Timing, TokenEvent
 
 QUEUE_RETRY_AFTER_S = 2

@@ -24,8 +24,8 @@ from collections.abc import Iterable
 import attrs
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from laya_core.config.manifest import ServerConfig
 from laya_core.http.errors import APIError
-from laya_core.manifest import ServerConfig
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from laya_core.deployment import Deployment
+from laya_core.serving.deployment import Deployment
 from laya_core.types import FinishReason
 
 _LABELS = ["model_name", "replica"]
@@ -96,7 +96,7 @@ class DeploymentCollector:
 
 
 def _sandbox(d: Deployment) -> Iterator[Metric]:
-    """The chat-template sandbox's child process (laya_core/template_sandbox.py)."""
+    """The chat-template sandbox's child process (laya_core/serving/template_sandbox.py)."""
     up = GaugeMetricFamily("laya:template_sandbox_up",
                            "1 while the chat-template sandbox can render; 0 while its child "
                            "process is dead and not yet replaced.")

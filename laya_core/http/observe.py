@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from laya_core.http.dashboard import LatencyWindow
 from laya_core.http.generation import Running
-from laya_core.http.live import LatencyWindow
 from laya_core.types import Timing
 
 _FAST = (1e-6, 2e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 1e-3, 1e-2)
@@ -32,7 +32,7 @@ _TOKENS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5) if m * 10**e <= 1
 
 class Observer:
     def __init__(self, registry: CollectorRegistry, window: LatencyWindow | None = None) -> None:
-        self.window = window  # the live page's recent latencies (laya_core/http/live.py)
+        self.window = window  # the live page's recent latencies (laya_core/http/dashboard.py)
 
         def hist(name: str, doc: str, buckets: tuple[float, ...] = _SLOW) -> Histogram:
             return Histogram(f"laya:{name}", doc, ["model_name"], registry=registry,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from laya_core.deployment import Deployment
+from laya_core.serving.deployment import Deployment
 
 
 def deployment_status(d: Deployment) -> dict[str, Any]:

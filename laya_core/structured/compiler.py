@@ -15,7 +15,7 @@ constraint` from a worker thread. One grammar text compiles once at a time; requ
 send it meanwhile wait for that compile.
 
 A :class:`MatcherConstraint` is what the engine calls before each token the sequence
-samples (a :data:`~laya_core.allowed_tokens.TokenConstraint`): it feeds the matcher the
+samples (a :data:`~laya_core.engine.allowed_tokens.TokenConstraint`): it feeds the matcher the
 tokens generated since the last call and returns the next mask. Measured for that
 vocabulary (AMD EPYC): a mask takes 17 us at the median, about 0.1 ms at p99; the limits
 bound one mask's work to about 8 ms.
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import attrs
 import numpy as np
 
-from laya_core.allowed_tokens import AllowedTokens
+from laya_core.engine.allowed_tokens import AllowedTokens
 from laya_core.structured.sandbox import CompileLimits, CompileSandbox, Refused, Vocabulary
 from laya_core.structured.spec import ConstraintSpec, GrammarError
 
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     import llguidance
 
     from laya_core.backend import ModelInfo
-    from laya_core.tokenizer import Tokenizer
+    from laya_core.models.tokenizer import Tokenizer
 
 CACHE_SIZE = 256  # compiled grammars kept per model, at most
 CACHE_BYTES = 64 * 2**20  # ... and the bytes they may hold

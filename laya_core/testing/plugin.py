@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from laya_core import manifest as mf
-from laya_core import planner
-from laya_core.deployment import Deployment
-from laya_core.engine import Engine
+from laya_core.config import manifest as mf
+from laya_core.engine.engine import Engine
+from laya_core.memory import planner
 from laya_core.plugins import Registry, load_registry
+from laya_core.serving.deployment import Deployment
 
 # Small enough that prompts are prefilled in several chunks, and that a few sequences fill
 # the pool: both are what the suite checks.

@@ -16,10 +16,10 @@ from typing import Any
 import attrs
 import pytest
 
-from laya_core.allowed_tokens import AllowedTokens
-from laya_core.deployment import Deployment
-from laya_core.engine import Engine
-from laya_core.model_files import read_shape
+from laya_core.engine.allowed_tokens import AllowedTokens
+from laya_core.engine.engine import Engine
+from laya_core.models.files import read_shape
+from laya_core.serving.deployment import Deployment
 from laya_core.types import FinishReason, SamplingParams, Usage
 
 LONG = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, counting "

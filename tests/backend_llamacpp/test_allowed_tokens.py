@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from laya_core.allowed_tokens import NO_TOKEN_ALLOWED, AllowedTokens
 from laya_core.backend import ModelConfig, StepItem
 from laya_core.builtin.model_paths import embedded_file
+from laya_core.engine.allowed_tokens import NO_TOKEN_ALLOWED, AllowedTokens
 from laya_core.types import Sample, SamplingParams
 
 VOCAB = 49152

@@ -10,7 +10,7 @@ import pytest
 
 from laya_core.backend import ModelConfig
 from laya_core.builtin.model_paths import embedded_file
-from laya_core.model_files import read_shape
+from laya_core.models.files import read_shape
 
 pytestmark = pytest.mark.model
 MIB = 2**20

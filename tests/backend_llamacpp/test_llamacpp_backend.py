@@ -10,11 +10,11 @@ from typing import Any
 import llama_cpp
 import pytest
 
-from laya_core import manifest as mf
-from laya_core.chat_template import ChatTemplate
-from laya_core.deployment import Deployment
-from laya_core.engine import Engine
+from laya_core.config import manifest as mf
+from laya_core.engine.engine import Engine
 from laya_core.plugins import load_registry
+from laya_core.serving.chat_template import ChatTemplate
+from laya_core.serving.deployment import Deployment
 from laya_core.types import FinishReason, SamplingParams
 
 PROMPT = "The capital of France is"

@@ -14,11 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from laya_backend_llamacpp.tokenizer import LlamaTokenizer
 
-from laya_core import manifest as mf
-from laya_core.deployment import Deployment
-from laya_core.engine import Engine
+from laya_core.config import manifest as mf
+from laya_core.engine.engine import Engine
+from laya_core.models.tokenizer import TokenizerClosedError
 from laya_core.plugins import load_registry
-from laya_core.tokenizer import TokenizerClosedError
+from laya_core.serving.deployment import Deployment
 from laya_core.types import SamplingParams
 
 TEXTS = [

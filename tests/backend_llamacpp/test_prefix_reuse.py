@@ -8,11 +8,11 @@ import time
 import backend_steps as steps
 import pytest
 
-from laya_core import manifest as mf
-from laya_core.chat_template import ChatTemplate
-from laya_core.deployment import Deployment
-from laya_core.engine import Engine
+from laya_core.config import manifest as mf
+from laya_core.engine.engine import Engine
 from laya_core.plugins import load_registry
+from laya_core.serving.chat_template import ChatTemplate
+from laya_core.serving.deployment import Deployment
 from laya_core.types import SamplingParams
 
 SYSTEM = ("You are a patient tutor. " + "Explain every answer step by step, use short "

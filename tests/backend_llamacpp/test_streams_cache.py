@@ -17,16 +17,16 @@ from laya_backend_llamacpp.streams import StreamsKVCache
 from streams_toy import started_streams_engine
 from toy_backend import follow_up_conversation, shared_prefix_workload
 
-from laya_core.engine import Engine
-from laya_core.kv_cache import KVOp
-from laya_core.prefix_cache import MIN_TAIL_TOKENS
-from laya_core.scheduler import FcfsScheduler, SchedulerConfig
-from laya_core.sequence import Sequence
+from laya_core.engine.engine import Engine
+from laya_core.engine.request import Request
+from laya_core.engine.scheduler import FcfsScheduler, SchedulerConfig
+from laya_core.kv.policies import KVOp
+from laya_core.kv.prefix import MIN_TAIL_TOKENS
 from laya_core.types import SamplingParams
 
 
-def seq(i: int, prompt: list[int], max_tokens: int = 4) -> Sequence:
-    return Sequence(i, prompt, SamplingParams(max_tokens))
+def seq(i: int, prompt: list[int], max_tokens: int = 4) -> Request:
+    return Request(i, prompt, SamplingParams(max_tokens))
 
 
 def scheduler(num_seqs: int, step: int, pool: int, compaction: bool = False) -> FcfsScheduler:
@@ -79,7 +79,7 @@ def test_retained_slots_are_evicted_when_room_is_needed() -> None:
 SYSTEM = list(range(100, 124))  # a shared system prompt: 24 tokens
 
 
-def finish_after(s: FcfsScheduler, sq: Sequence, answer: list[int]) -> bool:
+def finish_after(s: FcfsScheduler, sq: Request, answer: list[int]) -> bool:
     """Prefill ``sq``, give it ``answer`` as output, finish it retained; whether it was kept."""
     s.add(sq)
     run_to_end(s)
@@ -123,7 +123,7 @@ def test_a_repeated_answer_is_cached_once_and_a_new_answer_replaces_the_old() ->
     assert DropStream(first_slot) in kv.take_ops()
 
 
-def started(s: FcfsScheduler, count: int, prompt_len: int = 20) -> list[Sequence]:
+def started(s: FcfsScheduler, count: int, prompt_len: int = 20) -> list[Request]:
     """``count`` sequences with distinct prompts (1000.., 2000.., ...), admitted and prefilled;
     they take slots 0, 1, 2, ... in order."""
     seqs = [seq(i, list(range(1000 * i, 1000 * i + prompt_len))) for i in range(1, count + 1)]
@@ -218,7 +218,7 @@ def test_a_hole_in_the_running_block_is_closed_when_nothing_waits() -> None:
     assert s.schedule().ops == ()  # one block again
 
 
-def two_saved_and_a_third_retained() -> tuple[FcfsScheduler, StreamsKVCache, Sequence]:
+def two_saved_and_a_third_retained() -> tuple[FcfsScheduler, StreamsKVCache, Request]:
     """One slot and 110 tokens of host memory: conversations saved as they are evicted, one
     restored; at the end 81 tokens are saved (keys 1 and 2) and slot 0 retains a third 60.
     Returns the scheduler, its cache, and a fourth request that will evict the third."""

@@ -12,15 +12,14 @@ import pytest
 import torch
 from laya_backend_torch.backend import TorchBackend
 from laya_backend_torch.model import LlamaModel, build_batch
-
-from laya_core import manifest as mf
-from laya_core.deployment import Deployment
-from laya_core.engine import Engine
-from laya_core.plugins import load_registry
-from laya_core.types import FinishReason, SamplingParams
-
 from torch_fixtures import *  # noqa: E402, F403 - the fixtures (torch_fixtures.py)
 from torch_fixtures import PROMPTS  # noqa: E402
+
+from laya_core.config import manifest as mf
+from laya_core.engine.engine import Engine
+from laya_core.plugins import load_registry
+from laya_core.serving.deployment import Deployment
+from laya_core.types import FinishReason, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from laya_core import manifest as mf
-from laya_core.memory_plan import Plan
-from laya_core.planner import format_plan, make_plan
+from laya_core.config import manifest as mf
+from laya_core.memory.ledger import Plan
+from laya_core.memory.planner import format_plan, make_plan
 from laya_core.plugins import load_registry
 
 
@@ -60,9 +60,9 @@ def test_torch_is_imported_only_for_a_manifest_that_uses_it() -> None:
     """The registry, a llama.cpp manifest's checks and its plan never import torch."""
     code = (
         "import sys\n"
-        "from laya_core import manifest as mf\n"
+        "from laya_core.config import manifest as mf\n"
         "from laya_core.plugins import load_registry\n"
-        "from laya_core.planner import make_plan\n"
+        "from laya_core.memory.planner import make_plan\n"
         "r = load_registry()\n"
         "m = mf.resolve(mf.from_dict({'models': [{'name': 's', "
         "'path': 'embedded:smollm2-135m-instruct'}]}), r)\n"

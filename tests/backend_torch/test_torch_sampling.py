@@ -22,7 +22,8 @@ from laya_backend_torch.sampling import (
     ranked_ids,
     sample_rows,
 )
-from laya_core.allowed_tokens import NO_TOKEN_ALLOWED, AllowedTokens
+
+from laya_core.engine.allowed_tokens import NO_TOKEN_ALLOWED, AllowedTokens
 from laya_core.types import Sample, SamplingParams
 
 CPU = torch.device("cpu")

@@ -21,7 +21,7 @@ MANIFEST = SMOLLM_MANIFEST.replace("max_num_seqs = 8", "max_num_seqs = 1") \
 
 
 def test_laya_plugins_lists_it_with_its_package_and_version() -> None:
-    out = subprocess.run([sys.executable, "-m", "laya_core.cli", "plugins"], check=True,
+    out = subprocess.run([sys.executable, "-m", "laya_core.cli.main", "plugins"], check=True,
                          capture_output=True, text=True).stdout
     (line,) = [ln for ln in out.splitlines() if ln.split()[:1] == ["priority"]]
     assert "laya-priority-scheduler 0.1.0" in line, out

@@ -16,15 +16,15 @@ import pytest
 from conftest import SMOLLM_MANIFEST, serving
 from laya_random_router.router import RandomRouter
 
-from laya_core import manifest as mf
+from laya_core.config import manifest as mf
 from laya_core.plugins import load_registry
-from laya_core.router import NoRouteError, ReplicaState
+from laya_core.routing.router import NoRouteError, ReplicaState
 
 TWO_REPLICAS = SMOLLM_MANIFEST.replace("max_num_seqs = 8", "max_num_seqs = 2\nreplicas = 2")
 
 
 def test_laya_plugins_lists_it_with_its_package_and_version() -> None:
-    out = subprocess.run([sys.executable, "-m", "laya_core.cli", "plugins"], check=True,
+    out = subprocess.run([sys.executable, "-m", "laya_core.cli.main", "plugins"], check=True,
                          capture_output=True, text=True).stdout
     assert re.search(r"^  random +laya-random-router 0\.1\.0 ", out, re.M), out
 

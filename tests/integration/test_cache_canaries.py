@@ -17,10 +17,10 @@ import random
 
 import pytest
 
-from laya_core import manifest as mf
-from laya_core.deployment import Deployment
-from laya_core.engine import Engine
+from laya_core.config import manifest as mf
+from laya_core.engine.engine import Engine
 from laya_core.plugins import load_registry
+from laya_core.serving.deployment import Deployment
 from laya_core.types import SamplingParams
 
 pytestmark = pytest.mark.model

@@ -7,7 +7,7 @@ counted. Each cut reply is checked against the same request uncut (greedy, on a 
 whose greedy output is exactly repeatable): it is a beginning of it. The generated text
 itself is read back from the log-probabilities (each token's bytes), so that a reply that
 dropped something cannot pass. The parser's rules for a cut call are checked at every cut
-and split in tests/laya_core/test_structured_output.py; cutting is the front end's work,
+and split in tests/laya_core/structured/test_structured_output.py; cutting is the front end's work,
 so one backend serves here.
 """
 

@@ -1,4 +1,4 @@
-"""The live page (laya_core/http/live.py) in a real browser: headless Chromium, the Debian
+"""The live page (laya_core/http/dashboard.py) in a real browser: headless Chromium, the Debian
 package (/usr/bin/chromium, which `make test` installs), driven by Playwright, against a live
 ``laya serve`` of the embedded model with an API key, so the page must ask for one.
 
@@ -133,7 +133,7 @@ def test_the_ledger_on_the_page_equals_laya_plan_json(server: ServerProcess, pag
     manifest = tmp_path / "laya.toml"
     manifest.write_text(MANIFEST.replace("{port}", str(server.port)))
     plan = json.loads(subprocess.run(
-        [sys.executable, "-m", "laya_core.cli", "plan", "--json", str(manifest)],
+        [sys.executable, "-m", "laya_core.cli.main", "plan", "--json", str(manifest)],
         check=True, capture_output=True, text=True).stdout)
     (ledger,) = plan["replicas"]
     replica = ".replica[data-model=smollm2][data-replica='0']"

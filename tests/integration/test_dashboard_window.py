@@ -1,9 +1,9 @@
-"""The live page's latency window (laya_core/http/live.py): percentiles, tokens/s and its
+"""The live page's latency window (laya_core/http/dashboard.py): percentiles, tokens/s and its
 bounds, on a fake clock. Pure logic; it sits beside test_dashboard.py, the browser test."""
 
 from __future__ import annotations
 
-from laya_core.http.live import MAX_SAMPLES, WINDOW_S, LatencyWindow
+from laya_core.http.dashboard import MAX_SAMPLES, WINDOW_S, LatencyWindow
 from laya_core.types import Timing
 
 

@@ -13,7 +13,7 @@ from laya_backend_torch.backend import TorchBackend
 
 from laya_core.backend import Backend, ModelConfig
 from laya_core.builtin.model_paths import embedded_file
-from laya_core.embeddings import unit_float32
+from laya_core.engine.embed_jobs import unit_float32
 
 pytestmark = pytest.mark.model
 

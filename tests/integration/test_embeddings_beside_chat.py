@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 from conftest import SMOLLM_BACKENDS, serving
 
-from laya_core import manifest as mf
 from laya_core.backend import StepItem
-from laya_core.deployment import Deployment
-from laya_core.embed_queue import embed_budget
-from laya_core.embeddings import EmbedPlan
-from laya_core.engine import Engine
+from laya_core.config import manifest as mf
+from laya_core.engine.embed_jobs import EmbedPlan
+from laya_core.engine.embed_queue import embed_budget
+from laya_core.engine.engine import Engine
 from laya_core.plugins import load_registry
+from laya_core.serving.deployment import Deployment
 from laya_core.types import SamplingParams
 
 pytestmark = pytest.mark.model

@@ -17,11 +17,11 @@ from typing import Any
 import httpx
 import pytest
 from conftest import FRONT_END_BACKENDS, ServerProcess, runtime, serving, smollm_manifest
+from hostile_schemas import ref_chain, ref_nesting
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from hostile_schemas import ref_chain, ref_nesting
 
-from laya_core.logs import resident_bytes
+from laya_core.cli.logs import resident_bytes
 from laya_core.structured.sandbox import CompileLimits
 
 ASK = [{"role": "user", "content": "Say something."}]

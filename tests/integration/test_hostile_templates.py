@@ -54,7 +54,7 @@ def test_a_template_that_never_finishes_is_refused_at_load(tmp_path: Path,
     path = model_with_template(tmp_path, "loop", LOOP_FOREVER)
     (tmp_path / "laya.toml").write_text(manifest(backend, ("loop", path))
                                         .replace("{port}", str(free_port())))
-    run = subprocess.run([sys.executable, "-m", "laya_core.cli", "serve",
+    run = subprocess.run([sys.executable, "-m", "laya_core.cli.main", "serve",
                           str(tmp_path / "laya.toml")], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 1, run.stdout + run.stderr

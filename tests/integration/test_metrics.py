@@ -14,8 +14,8 @@ import pytest
 from conftest import SMOLLM_BACKENDS, serving, smollm_manifest
 from prometheus_client.parser import text_string_to_metric_families
 
-from laya_core.kv_manager import BLOCK_SIZE
-from laya_core.prefix_cache import MIN_TAIL_TOKENS
+from laya_core.kv.pool import BLOCK_SIZE
+from laya_core.kv.prefix import MIN_TAIL_TOKENS
 
 # The vLLM series the panels of vLLM's published Grafana dashboard query, by name without
 # the sample suffix (_bucket, _sum, _count, _total), with their type. Read from the `expr` of

@@ -24,8 +24,8 @@ import ray  # in the test extras: this module must run in CI, never skip
 from conftest import ServerProcess
 from ray.cluster_utils import Cluster
 
-from laya_core import manifest as mf
-from laya_core import planner
+from laya_core.config import manifest as mf
+from laya_core.memory import planner
 from laya_core.plugins import load_registry
 
 pytestmark = pytest.mark.model
@@ -98,7 +98,7 @@ def test_plan_places_a_replica_per_node_and_refuses_one_that_fits_none(
     for replicas, code in ((2, 0), (3, 1)):
         path = tmp_path / f"laya{replicas}.toml"
         path.write_text((MANIFEST % replicas).replace("{port}", "8000"))
-        done = subprocess.run([sys.executable, "-m", "laya_core.cli", "plan", str(path)],
+        done = subprocess.run([sys.executable, "-m", "laya_core.cli.main", "plan", str(path)],
                               capture_output=True, text=True, timeout=60,
                               env={**os.environ, "RAY_ADDRESS": cluster.address})
         print(done.stdout[-800:])

@@ -111,7 +111,7 @@ def test_the_shutdown_line_says_no_model_loaded(tmp_path: Path, backend: str) ->
                         .replace("{backend}", backend)
                         .replace("embedded:smollm2-135m-instruct", str(refusing))
                         .replace("replicas = 2", "replicas = 1"))
-    run = subprocess.run([sys.executable, "-m", "laya_core.cli", "serve", str(manifest)],
+    run = subprocess.run([sys.executable, "-m", "laya_core.cli.main", "serve", str(manifest)],
                          capture_output=True, text=True, timeout=120)
     out = run.stdout + run.stderr
     assert run.returncode == 1, out

@@ -12,14 +12,14 @@ import httpx
 import pytest
 from toy_backend import ToyBackend
 
-from laya_core import manifest as mf
-from laya_core.deployment import Deployment
+from laya_core.config import manifest as mf
+from laya_core.engine.scheduler import FcfsScheduler
 from laya_core.hookspecs import hookimpl
 from laya_core.http import create_app
-from laya_core.kv_cache import PagedKVCache
+from laya_core.kv.policies import PagedKVCache
 from laya_core.plugins import load_registry
-from laya_core.router import PythonRouter
-from laya_core.scheduler import FcfsScheduler
+from laya_core.routing.router import PythonRouter
+from laya_core.serving.deployment import Deployment
 
 
 class CountingRouter(PythonRouter):

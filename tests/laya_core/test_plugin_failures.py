@@ -23,7 +23,7 @@ BROKEN = {
                     "    raise RuntimeError('no scheduler today')\n",
                     "in hook register_schedulers: RuntimeError: no scheduler today"),
     "name-taken": ("from laya_core.hookspecs import hookimpl\n"
-                   "from laya_core.scheduler import FcfsScheduler\n"
+                   "from laya_core.engine.scheduler import FcfsScheduler\n"
                    "@hookimpl\ndef register_schedulers(register):\n"
                    "    register('fcfs', FcfsScheduler)\n",
                    "'fcfs' is registered twice: by builtin"),
@@ -53,7 +53,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def laya(site: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), *sys.path])}
-    return subprocess.run([sys.executable, "-m", "laya_core.cli", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "laya_core.cli.main", *args], env=env,
                           capture_output=True, text=True, timeout=120)
 
 

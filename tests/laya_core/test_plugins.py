@@ -9,12 +9,12 @@ import httpx
 import pytest
 from toy_backend import ToyBackend
 
-from laya_core import manifest as mf
-from laya_core.deployment import Deployment
+from laya_core.config import manifest as mf
+from laya_core.engine.scheduler import FcfsScheduler
 from laya_core.hookspecs import hookimpl
 from laya_core.http import create_app
 from laya_core.plugins import PluginError, collect, load_registry
-from laya_core.scheduler import FcfsScheduler
+from laya_core.serving.deployment import Deployment
 
 
 class LifoScheduler(FcfsScheduler):
@@ -139,8 +139,8 @@ def test_hooks_are_called_through_pluggy_so_wrappers_see_each_call() -> None:
 
 
 def test_one_list_of_kv_dtypes() -> None:
-    from laya_core.kv_dtypes import KV_DTYPE_NAMES, KV_DTYPES
-    from laya_core.memory_plan import kv_bytes_per_token
+    from laya_core.kv.dtypes import KV_DTYPE_NAMES, KV_DTYPES
+    from laya_core.memory.ledger import kv_bytes_per_token
 
     assert mf.KV_CACHE_DTYPES == KV_DTYPE_NAMES == tuple(KV_DTYPES)
     registry = load_registry()
@@ -151,8 +151,8 @@ def test_one_list_of_kv_dtypes() -> None:
 
 def test_the_cache_policy_follows_the_backends_kv_layout(tmp_path: Path) -> None:
     from laya_core.backend import ModelConfig
-    from laya_core.engine import Engine
-    from laya_core.kv_cache import PagedKVCache
+    from laya_core.engine.engine import Engine
+    from laya_core.kv.policies import PagedKVCache
 
     registry = load_registry([InTestPlugin()])
     assert registry.cache_policy_for("toy") is PagedKVCache  # "auto"

@@ -10,9 +10,9 @@ import sys
 
 import psutil
 
-from laya_core import manifest as mf
-from laya_core import planner
 from laya_core.backend import StepItem
+from laya_core.config import manifest as mf
+from laya_core.memory import planner
 from laya_core.plugins import load_registry
 from laya_core.types import SamplingParams
 

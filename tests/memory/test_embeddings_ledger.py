@@ -15,8 +15,8 @@ from laya_backend_torch.backend import TorchBackend
 
 from laya_core.backend import ModelConfig
 from laya_core.builtin.model_paths import embedded_file
-from laya_core.memory_plan import sizes_for
-from laya_core.model_files import read_shape
+from laya_core.memory.ledger import sizes_for
+from laya_core.models.files import read_shape
 
 pytestmark = pytest.mark.model
 MIB = 2**20
@@ -54,7 +54,7 @@ def test_laya_plan_shows_the_line_only_where_embeddings_are_on(tmp_path: Path) -
         manifest = tmp_path / "laya.toml"
         manifest.write_text('[[models]]\nname = "smol"\npath = "embedded:smollm2-135m-instruct"'
                             f"\n{extra}")
-        return subprocess.run([sys.executable, "-m", "laya_core.cli", "plan", str(manifest)],
+        return subprocess.run([sys.executable, "-m", "laya_core.cli.main", "plan", str(manifest)],
                               capture_output=True, text=True, check=True).stdout
 
     assert "  embeddings " in plan("embeddings = true\n")
@@ -68,7 +68,7 @@ import sys
 sys.path.insert(0, {tests!r})
 from test_embeddings_ledger import config, resident
 from laya_backend_llamacpp.backend import LlamaCppBackend
-from laya_core.embeddings import EmbedChunk, EmbedPlan
+from laya_core.engine.embed_jobs import EmbedChunk, EmbedPlan
 
 backend = LlamaCppBackend(config("llamacpp"))
 backend.load_weights()

@@ -20,7 +20,7 @@ SEVEN_B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
 
 
 def laya(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "laya_core.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "laya_core.cli.main", *args], capture_output=True,
                           text=True, timeout=120)
 
 

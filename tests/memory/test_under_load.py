@@ -106,7 +106,7 @@ def test_memory_holds_under_64_concurrent_long_requests(tmp_path: Path) -> None:
     try:
         server.wait_ready()
         plan = json.loads(subprocess.run(
-            [sys.executable, "-m", "laya_core.cli", "plan", "--json", str(tmp_path / "laya.toml")],
+            [sys.executable, "-m", "laya_core.cli.main", "plan", "--json", str(tmp_path / "laya.toml")],
             capture_output=True, text=True, check=True).stdout)
         sampler = RssSampler(server.proc.pid)
         sampler.start()

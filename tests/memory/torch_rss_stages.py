@@ -18,11 +18,11 @@ from typing import Any
 
 import attrs
 
-from laya_core import manifest as mf
-from laya_core import planner
 from laya_core.backend import ModelConfig, StepItem
-from laya_core.kv_manager import BLOCK_SIZE
-from laya_core.memory_plan import scored_tokens_per_step
+from laya_core.config import manifest as mf
+from laya_core.kv.pool import BLOCK_SIZE
+from laya_core.memory import planner
+from laya_core.memory.ledger import scored_tokens_per_step
 from laya_core.plugins import load_registry
 from laya_core.types import SamplingParams
 
@@ -56,7 +56,6 @@ def warm_up(config: ModelConfig) -> None:
     """Run torch's kernels once, as this replica will (dtype, quantize, threads), on a one-layer
     model with a 256-token vocabulary: what libtorch costs with nothing of the model loaded."""
     import torch
-
     from laya_backend_torch import options
     from laya_backend_torch.checkpoint import read_header
     from laya_backend_torch.model import LlamaModel, build_batch

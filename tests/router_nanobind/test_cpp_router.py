@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from laya_router import CppRouter
 
-from laya_core import router as core
 from laya_core.plugins import load_registry
-from laya_core.router import NoRouteError, ReplicaState, Router, prefix_hashes
+from laya_core.routing import router as core
+from laya_core.routing.router import NoRouteError, ReplicaState, Router, prefix_hashes
 
 
 def make_router(*replicas: tuple[str, int]) -> CppRouter:

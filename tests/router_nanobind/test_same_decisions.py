@@ -11,7 +11,7 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 from laya_router import CppRouter
 
-from laya_core.router import POLICIES, PythonRouter, ReplicaState, Router
+from laya_core.routing.router import POLICIES, PythonRouter, ReplicaState, Router
 
 # --- scenarios, one per policy rule -----------------------------------------------------------
 

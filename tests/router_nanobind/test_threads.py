@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 from laya_router import CppRouter
 
-from laya_core.router import ReplicaState
+from laya_core.routing.router import ReplicaState
 
 NUM_WORKERS = 12
 NUM_ROUNDS = 1_500

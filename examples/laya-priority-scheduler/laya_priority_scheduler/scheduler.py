@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from laya_core.plan import StepPlan
-from laya_core.scheduler import Scheduler
-from laya_core.sequence import Sequence
+from laya_core.engine.request import Request
+from laya_core.engine.scheduler import Scheduler
+from laya_core.engine.step_plan import StepPlan
 
 
-def tier(seq: Sequence) -> tuple[int, float]:
+def tier(seq: Request) -> tuple[int, float]:
     """Lower first; within a tier, the earlier arrival."""
     return seq.params.priority, seq.arrival_time
 

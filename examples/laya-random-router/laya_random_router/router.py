@@ -7,7 +7,8 @@ import threading
 from collections.abc import Sequence
 
 import attrs
-from laya_core.router import NoRouteError, ReplicaState
+
+from laya_core.routing.router import NoRouteError, ReplicaState
 
 
 @attrs.define
@@ -19,7 +20,7 @@ class _Replica:
 
 
 class RandomRouter:
-    """Every method of laya_core.router.Router; ``route`` draws among the UP replicas of
+    """Every method of laya_core.routing.router.Router; ``route`` draws among the UP replicas of
     the model (or of the model an alias names), weighted. ``seed`` makes the draws
     repeatable (tests)."""
 

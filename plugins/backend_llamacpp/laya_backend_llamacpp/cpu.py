@@ -10,7 +10,8 @@ import re
 from pathlib import Path
 
 import attrs
-from laya_core.threads import physical_cores  # noqa: F401 - cpu.physical_cores, as before
+
+from laya_core.engine.threads import physical_cores  # noqa: F401 - cpu.physical_cores, as before
 
 # CPU flags worth naming in the start-up log and /ready, in this order (x86 names in
 # /proc/cpuinfo; other architectures simply show fewer).

@@ -39,7 +39,7 @@ from laya_backend_llamacpp.memory import (
     flash_attention,
 )
 from laya_core.backend import ModelConfig
-from laya_core.embeddings import EmbedChunk, EmbedPlan, pooled_rows
+from laya_core.engine.embed_jobs import EmbedChunk, EmbedPlan, pooled_rows
 
 
 class Embedder:

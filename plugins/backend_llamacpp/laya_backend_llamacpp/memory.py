@@ -6,13 +6,13 @@ from __future__ import annotations
 import math
 
 from laya_core.backend import ModelConfig
-from laya_core.memory_plan import (
+from laya_core.memory.ledger import (
     MemoryProfile,
     Overhead,
     kv_bytes_per_token,
     scored_tokens_per_step,
 )
-from laya_core.model_files import ModelShape
+from laya_core.models.files import ModelShape
 
 _KV_CELL_ALIGN = 256  # llama.cpp pads each KV stream to this many cells
 _VOCAB_BYTES_PER_TOKEN = 512

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from laya_core.allowed_tokens import AllowedTokens
+
+from laya_core.engine.allowed_tokens import AllowedTokens
 from laya_core.types import Sample, SamplingParams
 
 _RANDOM_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: llama.cpp draws a random seed

@@ -27,14 +27,8 @@ from __future__ import annotations
 
 import collections
 import itertools
-from collections.abc import Iterable
-from collections.abc import Sequence as Seq
+from collections.abc import Iterable, Sequence
 from typing import Any
-
-from laya_core.kv_cache import KVCache, KVOp, max_reuse_tokens
-from laya_core.kv_manager import BLOCK_SIZE
-from laya_core.prefix_cache import MIN_REUSE_TOKENS, best_match, common_prefix_len
-from laya_core.sequence import Sequence
 
 from laya_backend_llamacpp.stream_ops import (
     DropStream,
@@ -43,6 +37,10 @@ from laya_backend_llamacpp.stream_ops import (
     SaveStream,
     StartStream,
 )
+from laya_core.engine.request import Request
+from laya_core.kv.policies import KVCache, KVOp, max_reuse_tokens
+from laya_core.kv.pool import BLOCK_SIZE
+from laya_core.kv.prefix import MIN_REUSE_TOKENS, best_match, common_prefix_len
 
 
 class RetainedSlots:
@@ -91,8 +89,8 @@ class StreamsKVCache(KVCache):
         self._retained_blocks: dict[int, int] = {}  # slot -> blocks its retained KV holds
         self._slot: dict[int, int] = {}  # running sequence id -> its slot
         self._blocks: dict[int, int] = {}  # running sequence id -> blocks reserved
-        self._waiting: Seq[Sequence] = ()
-        self._running: Seq[Sequence] = ()
+        self._waiting: Sequence[Request] = ()
+        self._running: Sequence[Request] = ()
         # Close holes in the block of running slots (backends with supports_moving).
         self.compaction = False
         # Evicted streams' KV kept in host memory (backends with saved_kv_tokens), by key,
@@ -107,7 +105,7 @@ class StreamsKVCache(KVCache):
         self.compaction = bool(getattr(backend, "supports_moving", False))
         self.saved_capacity = int(getattr(backend, "saved_kv_tokens", 0))
 
-    def bind(self, waiting: Seq[Sequence], running: Seq[Sequence]) -> None:
+    def bind(self, waiting: Sequence[Request], running: Sequence[Request]) -> None:
         self._waiting, self._running = waiting, running
 
     # -- counts -------------------------------------------------------------------------
@@ -124,22 +122,22 @@ class StreamsKVCache(KVCache):
     def num_free_blocks(self) -> int:
         return self.num_blocks - self.num_used_blocks - self.num_cached_blocks
 
-    def handle(self, seq: Sequence) -> int:
+    def handle(self, seq: Request) -> int:
         return self._slot[seq.seq_id]
 
-    def slot_of(self, seq: Sequence) -> int | None:
+    def slot_of(self, seq: Request) -> int | None:
         """The slot ``seq`` runs in, or None."""
         return self._slot.get(seq.seq_id)
 
     # -- admission and finishing ----------------------------------------------------------
 
-    def can_admit(self, seq: Sequence) -> bool:
+    def can_admit(self, seq: Request) -> bool:
         """Whether the sequence fits now, counting retained KV as room (it can be evicted)."""
         slots = len(self._free_slots) + len(self.prefix)
         blocks = self.num_free_blocks + self.num_cached_blocks
         return slots > 0 and self.blocks_for(seq.max_total_tokens) <= blocks
 
-    def admit(self, seq: Sequence) -> None:
+    def admit(self, seq: Request) -> None:
         """Give the sequence a slot and its worst case of cache, reusing a known prefix."""
         match, saved = self._best_prefix(seq)
         restore = None
@@ -172,7 +170,7 @@ class StreamsKVCache(KVCache):
         self._slot[seq.seq_id] = slot
         self._blocks[seq.seq_id] = need
 
-    def finish(self, seq: Sequence, retain: bool) -> None:
+    def finish(self, seq: Request, retain: bool) -> None:
         """A running sequence left: with ``retain`` (and prefix caching on) its computed KV
         stays in its slot for later prompts, else the backend drops its stream."""
         slot = self._slot.pop(seq.seq_id)
@@ -388,7 +386,7 @@ class StreamsKVCache(KVCache):
         self._take_saved(key)
         self._ops.append(ForgetSaved(key))
 
-    def _best_prefix(self, seq: Sequence) -> tuple[tuple[int, int] | None,
+    def _best_prefix(self, seq: Request) -> tuple[tuple[int, int] | None,
                                                    tuple[int, int] | None]:
         """The longest prefix of ``seq``'s prompt held by a stream (slot, tokens), and by
         saved KV (key, tokens)."""

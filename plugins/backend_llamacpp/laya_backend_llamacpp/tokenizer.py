@@ -19,7 +19,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-from laya_core.tokenizer import Tokenizer, UseGuard
+from laya_core.models.tokenizer import Tokenizer, UseGuard
 
 _IDS_PER_COPY = 32768  # token ids copied out of llama.cpp's buffer per GIL hold (about 1 ms)
 _PIECE_BUF = 256  # bytes; the longest token piece of common vocabularies is far shorter

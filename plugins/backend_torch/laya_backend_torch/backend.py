@@ -13,14 +13,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem, StepResult
-from laya_core.embeddings import DEFAULT_POOLING, EmbedPlan, embed_whole, pooled_rows
-from laya_core.memory_plan import MemoryProfile
-from laya_core.model_files import ModelShape, read_shape
-from laya_core.threads import ThreadGovernor
-from laya_core.types import Sample, SamplingParams
-
 from laya_backend_torch import memory, options
+from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem, StepResult
+from laya_core.engine.embed_jobs import DEFAULT_POOLING, EmbedPlan, embed_whole, pooled_rows
+from laya_core.engine.threads import ThreadGovernor
+from laya_core.memory.ledger import MemoryProfile
+from laya_core.models.files import ModelShape, read_shape
+from laya_core.types import Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +126,7 @@ class TorchBackend(Backend):
             special_tokens=tok.special_tokens)
 
     def allocate_kv(self, *, num_tokens: int, max_num_seqs: int) -> None:
-        from laya_core.kv_manager import BLOCK_SIZE
+        from laya_core.kv.pool import BLOCK_SIZE
 
         kv_dtype = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[
             self.config.kv_cache_dtype]
@@ -272,7 +271,7 @@ class TorchBackend(Backend):
 
     def _run(self, batch: Any) -> Any:
         """The forward pass; with ``threads = "auto"`` timed for the thread governor, which
-        gives threads up while other processes hold the cores (laya_core/threads.py)."""
+        gives threads up while other processes hold the cores (laya_core/engine/threads.py)."""
         if self._governor is None:
             return self._forward(batch)
         wall, busy = time.perf_counter(), time.thread_time()

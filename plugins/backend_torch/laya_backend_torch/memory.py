@@ -22,12 +22,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from laya_core.backend import ModelConfig
-from laya_core.memory_plan import (MemoryProfile, Overhead, kv_bytes_per_token,
-                                   scored_tokens_per_step)
-from laya_core.model_files import ModelShape
-
 from laya_backend_torch.options import INT4_GROUP
+from laya_core.backend import ModelConfig
+from laya_core.memory.ledger import (
+    MemoryProfile,
+    Overhead,
+    kv_bytes_per_token,
+    scored_tokens_per_step,
+)
+from laya_core.models.files import ModelShape
 
 if TYPE_CHECKING:
     from laya_backend_torch.checkpoint import LlamaConfig
@@ -91,7 +94,7 @@ def planned_dtype(config: ModelConfig) -> str:
 
 def planned_threads(config: ModelConfig) -> int:
     """The torch threads ``options.choose`` will start with."""
-    from laya_core.threads import physical_cores
+    from laya_core.engine.threads import physical_cores
 
     threads = config.options.get("n_threads", "auto")
     return physical_cores() if threads == "auto" else int(threads)

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-from laya_core.threads import physical_cores
+
+from laya_core.engine.threads import physical_cores
 
 OPTIONS: dict[str, str] = {
     "device": '"cpu" or "cuda" (or "cuda:N")',

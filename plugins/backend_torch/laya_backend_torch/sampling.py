@@ -29,7 +29,8 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from laya_core.allowed_tokens import NO_TOKEN_ALLOWED, AllowedTokens
+
+from laya_core.engine.allowed_tokens import NO_TOKEN_ALLOWED, AllowedTokens
 from laya_core.types import Sample, SamplingParams
 
 _FIRST_CUT = 256  # candidates top-p looks through first (llama.cpp's), then _SECOND_CUT

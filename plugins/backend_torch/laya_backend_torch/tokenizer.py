@@ -37,8 +37,9 @@ from typing import Any
 
 import attrs
 import tokenizers
-from laya_core.tokenizer import Tokenizer
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+
+from laya_core.models.tokenizer import Tokenizer
 
 # llama.cpp's token types (enum llama_token_type; GGUF tokenizer.ggml.token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6

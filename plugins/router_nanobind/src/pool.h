@@ -17,14 +17,14 @@
 
 namespace laya {
 
-// Same values as laya_core.router.ReplicaState.
+// Same values as laya_core.routing.router.ReplicaState.
 enum class ReplicaState : int { Up = 0, Draining = 1, Down = 2 };
 
-// Spelt as in laya_core.router.POLICIES.
+// Spelt as in laya_core.routing.router.POLICIES.
 enum class Policy { LeastOutstanding, RoundRobin, Session, Prefix };
 std::optional<Policy> policy_named(std::string_view name);
 
-// The model is unknown or has no replica up (Python: laya_core.router.NoRouteError).
+// The model is unknown or has no replica up (Python: laya_core.routing.router.NoRouteError).
 struct NoRoute : std::runtime_error {
     using std::runtime_error::runtime_error;
 };

@@ -1,4 +1,4 @@
-// The C++ router: the same decisions as laya_core.router.PythonRouter, kept free of Python so
+// The C++ router: the same decisions as laya_core.routing.router.PythonRouter, kept free of Python so
 // the table logic can be read on its own. router_ext.cpp binds it.
 //
 // Locks. route() takes a shared lock on one of 16 name shards (model name -> pool), drops it,

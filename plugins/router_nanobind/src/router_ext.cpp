@@ -11,14 +11,14 @@ using namespace nb::literals;
 
 namespace {
 
-// laya_core.router.NoRouteError, imported on the first no-route error rather than at import:
+// laya_core.routing.router.NoRouteError, imported on the first no-route error rather than at import:
 // the stub is generated in a build environment without laya_core. Raising the core's type here
 // spares CppRouter a Python wrapper around route(), which would cost about 0.3 µs per call.
 PyObject* no_route_error() {
     static PyObject* type = nullptr;  // one reference kept for the life of the process
     if (type == nullptr) {
         try {
-            nb::object core = nb::module_::import_("laya_core.router");
+            nb::object core = nb::module_::import_("laya_core.routing.router");
             type = nb::object(core.attr("NoRouteError")).release().ptr();
         } catch (const nb::python_error&) {
             return PyExc_LookupError;  // laya_core is a dependency; this is only a fallback

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from toy_backend import ToyBackend
 
-from laya_core import manifest as mf
-from laya_core.deployment import Deployment
-from laya_core.embeddings import EmbedJob, pooling_of_folder, unit_float32
+from laya_core.config import manifest as mf
+from laya_core.engine.embed_jobs import EmbedJob, pooling_of_folder, unit_float32
 from laya_core.hookspecs import hookimpl
 from laya_core.http import create_app
 from laya_core.plugins import load_registry
+from laya_core.serving.deployment import Deployment
 
 
 class PlainToy(ToyBackend):

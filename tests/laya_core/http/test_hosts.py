@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from laya_core.config.manifest import ServerConfig
 from laya_core.http.hosts import HostRule, host_name, host_rule, is_loopback
-from laya_core.manifest import ServerConfig
 
 
 @pytest.mark.parametrize(("header", "name"), [

@@ -10,11 +10,11 @@ import httpx
 import pytest
 from toy_backend import ToyBackend
 
-from laya_core import manifest as mf
-from laya_core.deployment import Deployment
+from laya_core.config import manifest as mf
 from laya_core.hookspecs import hookimpl
 from laya_core.http import create_app
 from laya_core.plugins import load_registry
+from laya_core.serving.deployment import Deployment
 
 KEY = "sk-test-0123456789"
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import httpx
 from toy_backend import ToyBackend
 
-from laya_core import manifest as mf
-from laya_core.deployment import Deployment
+from laya_core.config import manifest as mf
 from laya_core.hookspecs import hookimpl
 from laya_core.http import create_app
 from laya_core.plugins import load_registry
+from laya_core.serving.deployment import Deployment
 
 
 class ToyPlugin:

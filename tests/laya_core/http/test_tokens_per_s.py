@@ -1,11 +1,11 @@
-"""The live page's tokens/s (laya_core/http/live.py, LatencyWindow.tokens_per_s) against a
+"""The live page's tokens/s (laya_core/http/dashboard.py, LatencyWindow.tokens_per_s) against a
 clock the test moves: the rate must not depend on how often /live is polled."""
 
 from __future__ import annotations
 
 import pytest
 
-from laya_core.http.live import LatencyWindow
+from laya_core.http.dashboard import LatencyWindow
 
 
 class Clock:

@@ -1,6 +1,6 @@
-"""Laya's C++ router: the decisions of ``laya_core.router.PythonRouter`` made in C++.
+"""Laya's C++ router: the decisions of ``laya_core.routing.router.PythonRouter`` made in C++.
 
-``CppRouter`` implements :class:`laya_core.router.Router`; the extension module
+``CppRouter`` implements :class:`laya_core.routing.router.Router`; the extension module
 ``laya_router._router_ext`` is private.
 """
 
@@ -12,10 +12,10 @@ __all__ = ["CppRouter"]
 
 
 class CppRouter(_router_ext.Router):
-    """The four policies of :class:`laya_core.router.PythonRouter`, with the same decisions.
+    """The four policies of :class:`laya_core.routing.router.PythonRouter`, with the same decisions.
 
     Every method is the C++ one as it is: ``route`` raises the core's
-    :class:`~laya_core.router.NoRouteError` itself, and ``set_state`` takes a
-    :class:`~laya_core.router.ReplicaState` (an ``IntEnum``) or its int value. Sessions are
+    :class:`~laya_core.routing.router.NoRouteError` itself, and ``set_state`` takes a
+    :class:`~laya_core.routing.router.ReplicaState` (an ``IntEnum``) or its int value. Sessions are
     keyed by a 64-bit hash of their id, so each costs at most 48 bytes whatever its length.
     """

@@ -1,0 +1,1 @@
+"""The ``laya`` command and what it sets up: logging, systemd units."""

@@ -1,0 +1,384 @@
+"""The deployment manifest: TOML in, validated attrs objects out.
+
+Every problem names its key path (``models[0].max_seq_len``) and says what to do; the CLI
+prints it and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from laya_core.backend import ModelConfig
+from laya_core.config.server import (
+    SERVER_KEYS,
+    ServerConfig,
+    check_host_resolves,
+    parse_server,
+)
+from laya_core.config.table import (
+    ManifestError,
+    Problems,
+    Table,
+    non_empty,
+    parse_size,
+)
+from laya_core.kv.dtypes import KV_DTYPE_NAMES
+from laya_core.models.files import model_file_problem
+from laya_core.replica.worker_link import DEFAULT_SILENCE_S
+from laya_core.routing.router import POLICIES
+
+__all__ = ["CLUSTER_KEYS", "EMBEDDED_MODEL", "ENGINE_KINDS", "KV_CACHE_DTYPES", "MEMORY_KEYS",
+           "MODEL_KEYS", "ROUTER_KEYS", "SERVER_KEYS", "TOP_KEYS", "ClusterConfig",
+           "Manifest", "ManifestError",
+           "MemoryConfig", "RouterConfig", "ServerConfig", "build", "default_manifest",
+           "from_dict", "load", "parse_size", "read_toml", "resolve"]
+
+if sys.version_info >= (3, 11):  # noqa: UP036 - tomli stays the fallback the brief names
+    import tomllib
+else:  # pragma: no cover - Python 3.10 is not supported, kept for tools that read this file
+    import tomli as tomllib
+
+EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+
+
+@attrs.frozen
+class MemoryConfig:
+    budget_bytes: int | None = None  # None: "auto", decided from the machine
+
+
+@attrs.frozen
+class RouterConfig:
+    impl: str | None = None  # None: "cpp" when installed, else "python"
+
+
+ENGINE_KINDS = ("auto", "process", "thread", "ray")
+
+
+@attrs.frozen
+class ClusterConfig:
+    """Where replicas run: "process", a worker process each (``laya serve``'s default, as
+    "auto" is there); "thread", threads of the server's own process (a backend crash takes
+    the server down); "auto", whatever the caller chose (laya_core/serving/deployment.py); "ray", a
+    Ray actor each, placed on a cluster's nodes by the memory plan (laya_core/replica/ray_client.py).
+    ``address``: the Ray cluster to join (else RAY_ADDRESS, else a local one).
+    ``worker_timeout_s``: a worker process that sends nothing this long (no step, no
+    heartbeat) is killed and restarted (laya_core/replica/worker_link.py); threads and Ray actors
+    do not use it."""
+
+    engine: str = "auto"
+    address: str | None = None
+    worker_timeout_s: float = DEFAULT_SILENCE_S
+
+
+@attrs.frozen
+class Manifest:
+    server: ServerConfig
+    memory: MemoryConfig
+    router: RouterConfig
+    models: tuple[ModelConfig, ...]
+    source: str = "<default>"
+    # Each model's index among the file's [[models]] (for key paths in messages).
+    model_index: Mapping[str, int] = attrs.field(factory=dict, eq=False)
+    cluster: ClusterConfig = ClusterConfig()
+
+
+MEMORY_KEYS = ("budget",)
+ROUTER_KEYS = ("impl",)
+CLUSTER_KEYS = ("engine", "address", "worker_timeout_s")
+TOP_KEYS = ("server", "memory", "router", "cluster", "models")
+
+
+def _cluster(data: Any, problems: Problems) -> ClusterConfig:
+    t = Table(data, "cluster", problems)
+    engine = t.get("engine", str, "auto", check=lambda v: None if v in ENGINE_KINDS else
+                   f"must be one of {', '.join(ENGINE_KINDS)}, got {v!r}")
+    address = t.get("address", str, None, check=lambda v: None if engine == "ray" else
+                    f'applies only with engine = "ray" (engine is "{engine}")')
+    timeout = t.get("worker_timeout_s", (int, float), DEFAULT_SILENCE_S, check=lambda v:
+                    None if 1 <= v <= 3600 else "must be between 1 and 3600 seconds")
+    t.finish(CLUSTER_KEYS)
+    return ClusterConfig(engine, address, float(timeout))
+
+
+def _memory(data: Any, problems: Problems) -> MemoryConfig:
+    t = Table(data, "memory", problems)
+    budget = t.get("budget", (str, int), "auto")
+    t.finish(MEMORY_KEYS)
+    if budget == "auto":
+        return MemoryConfig(None)
+    with problems.guard():
+        return MemoryConfig(parse_size(budget, "memory.budget", minimum=2**20))
+    return MemoryConfig(None)
+
+
+def _router(data: Any, problems: Problems) -> RouterConfig:
+    t = Table(data, "router", problems)
+    impl = t.get("impl", str)
+    t.finish(ROUTER_KEYS)
+    return RouterConfig(impl)
+
+
+MODEL_KEYS = ("name", "backend", "path", "max_seq_len", "max_num_seqs", "kv_cache_tokens",
+              "kv_cache_dtype", "prefix_caching", "routing", "replicas", "max_step_tokens",
+              "max_queue", "queue_timeout_s", "scheduler", "cache_policy", "embeddings",
+              "options")
+KV_CACHE_DTYPES = KV_DTYPE_NAMES
+
+
+def _name_problem(v: str) -> str | None:
+    return None if _NAME_RE.match(v) else \
+        "use 1-128 letters, digits and . _ : / - (starting with a letter or digit)"
+
+
+# A model path such as embedded:NAME, which a resolve_model_path plugin turns into a file.
+_SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:(?!//)")
+
+
+def _model(data: Any, index: int, base_dir: Path, problems: Problems) -> ModelConfig | None:
+    """One ``[[models]]`` entry; None when it is too broken to check further."""
+    t = Table(data, f"models[{index}]", problems)
+    name = t.get("name", str, required=True, check=_name_problem)
+    backend = t.get("backend", str, "llamacpp", check=non_empty)
+    path = t.get("path", str, required=True, check=non_empty)
+    if path is not None and not _SCHEME_RE.match(path):  # SCHEME:NAME is a plugin's to say
+        p = Path(path).expanduser()
+        path = str(p if p.is_absolute() else (base_dir / p))
+    max_seq_len = t.int_in("max_seq_len", 16, 1 << 20, None)
+    max_num_seqs = t.int_in("max_num_seqs", 1, 256, None)
+    kv_cache_tokens = t.int_in("kv_cache_tokens", 16, 1 << 30, None)
+    if kv_cache_tokens is not None and max_seq_len is not None and kv_cache_tokens < max_seq_len:
+        t.problem("kv_cache_tokens", f"{kv_cache_tokens} tokens cannot hold one sequence of "
+                  f"max_seq_len {max_seq_len}; raise it or lower max_seq_len")
+    kv_cache_dtype = t.get("kv_cache_dtype", str, "f16",
+                           check=lambda v: None if v in KV_CACHE_DTYPES else
+                           f"must be one of {', '.join(KV_CACHE_DTYPES)}")
+    prefix_caching = t.get("prefix_caching", bool, True)
+    # Checked against the chosen router's policies in resolve(): a router plugin may bring
+    # its own.
+    routing = t.get("routing", str, "prefix", check=non_empty)
+    replicas = t.int_in("replicas", 1, 64, 1)
+    max_step_tokens = t.int_in("max_step_tokens", 1, 65536, 512)
+    max_queue = t.int_in("max_queue", 0, 100_000, 64)
+    queue_timeout_s = t.get("queue_timeout_s", (int, float), 30.0,
+                            check=lambda v: None if 0 < v <= 3600 else
+                            "must be between 0 and 3600 seconds")
+    if max_num_seqs is not None and max_step_tokens < max_num_seqs:
+        t.problem("max_step_tokens", f"must be at least max_num_seqs ({max_num_seqs}) so every "
+                  "running sequence can decode each step")
+    scheduler = t.get("scheduler", str, "fcfs", check=non_empty)
+    cache_policy = t.get("cache_policy", str, "auto", check=non_empty)
+    options = dict(t.get("options", dict, {}))
+    embeddings = t.get("embeddings", bool, False)
+    t.finish(MODEL_KEYS)
+    if name is None or path is None:
+        return None
+    return ModelConfig(name, backend, path, max_seq_len, max_num_seqs, replicas,
+                       max_step_tokens, scheduler, cache_policy, kv_cache_tokens,
+                       kv_cache_dtype, prefix_caching, routing, max_queue,
+                       float(queue_timeout_s), options, embeddings)
+
+
+def _from_dict(data: Mapping[str, Any], source: str, base_dir: Path,
+               problems: Problems) -> Manifest:
+    """Read every table, recording problems; broken model entries are left out."""
+    t = Table(data, "", problems)
+    server = parse_server(t.get("server", dict, {}), problems, base_dir)
+    memory = _memory(t.get("memory", dict, {}), problems)
+    router = _router(t.get("router", dict, {}), problems)
+    cluster = _cluster(t.get("cluster", dict, {}), problems)
+    raw_models = t.get("models", list, required=True)
+    t.finish(TOP_KEYS)
+    if raw_models == []:
+        problems.add("models", "list at least one [[models]] entry")
+    models: list[ModelConfig] = []
+    seen: dict[str, int] = {}
+    for i, raw in enumerate(raw_models or ()):
+        m = None
+        with problems.guard():
+            m = _model(raw, i, base_dir, problems)
+        if m is None:
+            continue
+        if m.name in seen:
+            problems.add(f"models[{i}].name",
+                         f"{m.name!r} is already the name of models[{seen[m.name]}]")
+            continue
+        seen[m.name] = i
+        models.append(m)
+    return Manifest(server, memory, router, tuple(models), source, seen, cluster)
+
+
+def from_dict(data: Mapping[str, Any], source: str = "<dict>",
+              base_dir: Path | None = None) -> Manifest:
+    """Validate a manifest already parsed from TOML. Paths are relative to ``base_dir``.
+
+    Raises one :class:`ManifestError` holding every problem found."""
+    problems = Problems()
+    manifest = _from_dict(data, source, base_dir or Path.cwd(), problems)
+    problems.raise_if_any()
+    return manifest
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A manifest file's TOML, not yet validated."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ManifestError("", f"{p} is not a manifest: it is not UTF-8 text (byte {e.start} "
+                            "is invalid)") from None
+    except OSError as e:
+        raise ManifestError("", f"cannot read manifest {p}: {e.strerror or e}") from e
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ManifestError("", f"{p} is not a manifest: it is not valid TOML ({e})") from e
+
+
+def load(path: str | Path) -> Manifest:
+    """Read and validate a manifest file."""
+    p = Path(path)
+    return from_dict(read_toml(p), str(p), p.resolve().parent)
+
+
+def build(data: Mapping[str, Any], registry: Any, *, source: str = "<dict>",
+          base_dir: Path | None = None, need_backends: bool = True) -> Manifest:
+    """Validate and :func:`resolve` in one pass: one :class:`ManifestError` lists every problem
+    of both, so a manifest's mistakes all show in one run."""
+    problems = Problems()
+    manifest = _from_dict(data, source, base_dir or Path.cwd(), problems)
+    manifest = _resolve(manifest, registry, need_backends, problems)
+    problems.raise_if_any()
+    return manifest
+
+
+def default_manifest(host: str = "127.0.0.1", port: int = 8000) -> Manifest:
+    """What ``laya serve`` runs with no manifest: the embedded model, safe defaults."""
+    model = ModelConfig(name="smollm2", backend="llamacpp", path=EMBEDDED_MODEL)
+    return Manifest(ServerConfig(host, port), MemoryConfig(), RouterConfig(), (model,))
+
+
+def resolve(manifest: Manifest, registry: Any, *, need_backends: bool = True) -> Manifest:
+    """Check backends, schedulers and routers against the loaded plugins and find model files.
+
+    ``registry`` is a :class:`laya_core.plugins.Registry`. Returns the manifest with every model
+    path resolved to a file. ``need_backends=False`` lets a plan be made for a backend that is
+    not installed here. Raises one :class:`ManifestError` holding every problem.
+    """
+    problems = Problems()
+    manifest = _resolve(manifest, registry, need_backends, problems)
+    problems.raise_if_any()
+    return manifest
+
+
+def _resolve(manifest: Manifest, registry: Any, need_backends: bool,
+             problems: Problems) -> Manifest:
+    if need_backends:
+        with problems.guard():
+            check_host_resolves(manifest.server.host)
+    policies: tuple[str, ...] = ()
+    if manifest.router.impl is not None and manifest.router.impl not in registry.routers:
+        known = ", ".join(sorted(registry.routers))
+        problems.add("router.impl",
+                     f"no router {manifest.router.impl!r} is installed; known: {known}")
+    else:
+        router = registry.router_name(manifest.router.impl)
+        policies = tuple(getattr(registry.routers[router].obj, "policies", POLICIES))
+    models = []
+    for i, m in enumerate(manifest.models):
+        index = _index_of(manifest, m, i)
+        if policies and m.routing not in policies:
+            problems.add(f"models[{index}].routing",
+                         f"must be one of {', '.join(policies)} (the policies of the "
+                         f"{registry.router_name(manifest.router.impl)} router), not "
+                         f"{m.routing!r}")
+        with problems.guard():
+            models.append(_resolve_model(m, index, registry, need_backends, problems))
+    return attrs.evolve(manifest, models=tuple(models))
+
+
+def _index_of(manifest: Manifest, m: ModelConfig, position: int) -> int:
+    """A model's index in the file (broken entries before it were left out)."""
+    return manifest.model_index.get(m.name, position)
+
+
+def _check_layout(backend: Any, m: ModelConfig, i: int, registry: Any,
+                  problems: Problems) -> None:
+    """A cache policy named in the manifest must serve the backend's KV layout."""
+    policy = registry.cache_policies.get(m.cache_policy)
+    if m.cache_policy == "auto":
+        fitting = [n for n, e in registry.cache_policies.items()
+                   if e.obj.layout == backend.kv_layout]
+        if not fitting:
+            problems.add(f"models[{i}].cache_policy",
+                         f"no installed cache policy serves the {backend.kv_layout} KV layout "
+                         f"of the {m.backend} backend; install the plugin that ships one")
+    elif policy is not None and policy.obj.layout != backend.kv_layout:
+        problems.add(f"models[{i}].cache_policy",
+                     f"{m.cache_policy!r} serves the {policy.obj.layout} KV layout, the "
+                     f"{m.backend} backend has the {backend.kv_layout} layout; leave it "
+                     "\"auto\" or name a policy for that layout")
+
+
+def _resolve_model(m: ModelConfig, i: int, registry: Any, need_backends: bool,
+                   problems: Problems) -> ModelConfig:
+    for key, family in (("backend", registry.backends), ("scheduler", registry.schedulers),
+                        ("cache_policy", registry.cache_policies)):
+        chosen = getattr(m, key)
+        if key == "backend" and not need_backends:
+            continue
+        if chosen not in family and not (key == "cache_policy" and chosen == "auto"):
+            known = ", ".join(sorted(family)) or "none"
+            failed = "; ".join(str(f) for f in getattr(registry, "failures", ()))
+            problems.add(f"models[{i}].{key}",
+                         f"no {key.replace('_', ' ')} {chosen!r} is installed "
+                         f"(installed: {known}); install its plugin or fix the name"
+                         + (f". Left out, perhaps the one: {failed}" if failed else ""))
+    backend = registry.backends.get(m.backend)
+    if backend and m.kv_cache_dtype not in backend.obj.kv_cache_dtypes:
+        problems.add(f"models[{i}].kv_cache_dtype",
+                     f"the {m.backend} backend cannot store a {m.kv_cache_dtype} KV "
+                     f"cache; it supports {', '.join(backend.obj.kv_cache_dtypes)}")
+    if backend and m.embeddings and not backend.obj.supports_embeddings:
+        problems.add(f"models[{i}].embeddings",
+                     f"the {m.backend} backend cannot compute embeddings; remove the key")
+    if backend and need_backends:
+        _check_options(backend.obj, m, i, problems)
+        _check_layout(backend.obj, m, i, registry, problems)
+    try:
+        resolved = registry.resolve_model_path(m.path)
+    except LookupError as e:
+        raise ManifestError(f"models[{i}].path", str(e)) from e
+    path = resolved or m.path
+    if resolved is None and (scheme := _SCHEME_RE.match(m.path)) \
+            and not Path(m.path).exists():
+        raise ManifestError(f"models[{i}].path", f"no installed plugin resolves "
+                            f"{scheme.group(0)} paths (the resolve_model_path hook); install "
+                            "the one that does, or give a file path")
+    if problem := model_file_problem(path):
+        raise ManifestError(f"models[{i}].path", problem)
+    if backend and need_backends and (problem := backend.obj.check_model_path(path)):
+        raise ManifestError(f"models[{i}].path", problem)
+    return attrs.evolve(m, path=path)
+
+
+def _check_options(backend_cls: Any, m: ModelConfig, i: int, problems: Problems) -> None:
+    """The options suit the chosen backend."""
+    before = len(problems.found)
+    for name in m.options:
+        if name not in backend_cls.option_names:
+            known = ", ".join(sorted(backend_cls.option_names)) or "none"
+            problems.add(f"models[{i}].options.{name}",
+                         f"the {m.backend} backend has no option {name!r}; its "
+                         f"options are: {known}")
+        elif problem := backend_cls.check_option(name, m.options[name]):
+            problems.add(f"models[{i}].options.{name}", problem)
+    if len(problems.found) == before:  # each value fine alone: do they go together?
+        for name, problem in backend_cls.check_options(m.options).items():
+            problems.add(f"models[{i}].options.{name}", problem)

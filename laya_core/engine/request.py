@@ -1,0 +1,113 @@
+"""One generation request as the engine sees it: tokens, progress, and its place in the cache."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import TYPE_CHECKING
+
+import attrs
+
+from laya_core.types import FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    from laya_core.engine.allowed_tokens import AllowedTokens, TokenConstraint
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@attrs.define(eq=False)
+class Request:
+    """A prompt and what has been generated from it.
+
+    ``num_computed`` counts the leading tokens whose keys and values are in the KV cache. The
+    last sampled token is never computed until the next step feeds it, so a decoding sequence
+    has exactly one token left to compute and a prefilling one has several.
+    """
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = attrs.field(factory=time.perf_counter)
+    output_token_ids: list[int] = attrs.field(factory=list)
+    num_computed: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # Leading prompt tokens whose KV came from the prefix cache at admission (not computed):
+    # what usage.prompt_tokens_details.cached_tokens reports.
+    num_cached_tokens: int = 0
+    # Timestamps (perf_counter seconds) for per-layer timing.
+    admitted_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    # Where set (structured output sets it), what this sequence may sample next; see
+    # allowed_tokens().
+    constraint: TokenConstraint | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed < self.num_prompt_tokens
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the prompt's log-probabilities are wanted. Such a sequence prefills its
+        whole prompt, since KV taken from the prefix cache comes without logits."""
+        return self.params.prompt_logprobs is not None
+
+    def score_targets(self, start_pos: int, num_tokens: int) -> list[int]:
+        """The prompt tokens that follow positions ``start_pos .. start_pos+num_tokens-1``:
+        what a chunk there scores. The last prompt position is followed by a sampled token,
+        not a prompt one, so a chunk that ends the prompt scores one fewer than it feeds."""
+        if not self.scores_prompt:
+            return []
+        return self.prompt_token_ids[start_pos + 1 : start_pos + num_tokens + 1]
+
+    def allowed_tokens(self) -> AllowedTokens | None:
+        """The tokens allowed as this sequence's next one, or None for any. Asked once before
+        each token it samples (so a constraint may advance its matcher over the tokens
+        generated since it was last asked)."""
+        return None if self.constraint is None else self.constraint(self.output_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most KV cache this sequence can ever hold, in tokens."""
+        return self.num_prompt_tokens + self.params.max_tokens
+
+    @property
+    def computed_token_ids(self) -> list[int]:
+        """The tokens whose KV is in the cache, in order."""
+        return (self.prompt_token_ids + self.output_token_ids)[: self.num_computed]
+
+    def tokens_to_compute(self, limit: int) -> list[int]:
+        """The next tokens to feed the model, at most ``limit`` of them.
+
+        A prompt's last chunk is never a single token (unless the prompt is): llama.cpp takes
+        other kernel paths for a one-token batch, so 512 + 1 would answer otherwise than
+        511 + 2 or 509 + 4 (measured: 0.004-0.05 in a log-probability). Where only a lone
+        token would be left, this chunk stops one short, or waits for a larger budget.
+        """
+        start = self.num_computed
+        if start < self.num_prompt_tokens:
+            remaining = self.num_prompt_tokens - start
+            n = min(limit, remaining)
+            if remaining - n == 1:
+                n -= 1
+            return self.prompt_token_ids[start : start + n]
+        out_start = start - self.num_prompt_tokens
+        return self.output_token_ids[out_start : out_start + limit]

@@ -1,0 +1,76 @@
+"""The plan of one engine step: what each sequence feeds, where, and the KV work before it.
+
+A scheduler's policy orders the running sequences (who goes first) and admits waiting ones;
+:func:`build_plan` cuts the step's token budget into chunks in that order and collects the
+KV cache's operations, so that a scheduler writes policy only. The engine applies
+``plan.ops`` in order, then runs ``plan.items()`` in one batched step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import attrs
+
+from laya_core.backend import StepItem
+from laya_core.engine.request import Request
+from laya_core.kv.policies import KVCache, KVOp
+
+
+@attrs.frozen
+class PlannedChunk:
+    """Part of one sequence's work in a step: feed ``tokens`` at ``start_pos ..``."""
+
+    seq: Request = attrs.field(eq=False)
+    tokens: tuple[int, ...]
+    start_pos: int
+    seq_id: int  # the backend's name for the sequence (KVCache.handle)
+    block_table: tuple[int, ...] = ()  # paged layouts: the blocks of positions 0 ..
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence, so a new token is sampled."""
+        return self.start_pos + len(self.tokens) == self.seq.num_tokens
+
+    def item(self) -> StepItem:
+        """What the backend is asked: the tokens to feed, the prompt tokens to score, and
+        the tokens the sampled one may be."""
+        seq, samples = self.seq, self.samples
+        return StepItem(self.seq_id, self.tokens, self.start_pos, samples,
+                        seq.score_targets(self.start_pos, len(self.tokens)),
+                        seq.params.prompt_logprobs or 0, block_table=self.block_table,
+                        allowed_tokens=seq.allowed_tokens() if samples else None)
+
+
+@attrs.frozen
+class StepPlan:
+    """One step, immutable: the KV operations to apply first, then the chunks to run."""
+
+    ops: tuple[KVOp, ...]
+    chunks: tuple[PlannedChunk, ...]
+
+    def items(self) -> list[StepItem]:
+        return [c.item() for c in self.chunks]
+
+
+def build_plan(kv: KVCache, order: Iterable[Request], max_step_tokens: int,
+               max_scored_tokens: int) -> StepPlan:
+    """Chunks for the sequences in ``order`` within the step's budgets, with ``kv``'s ops.
+
+    A prompt whose log-probabilities are wanted shares ``max_scored_tokens`` a step (each
+    scored row needs a row of logits, counted in the memory plan). A sequence whose only
+    chunk would leave one lone last prompt token waits (``Request.tokens_to_compute``).
+    """
+    budget, scored = max_step_tokens, max_scored_tokens
+    chunks: list[PlannedChunk] = []
+    for seq in order:
+        if budget == 0:
+            break
+        scoring = seq.scores_prompt and seq.is_prefilling
+        tokens = seq.tokens_to_compute(min(budget, scored) if scoring else budget)
+        if tokens:
+            chunks.append(PlannedChunk(seq, tuple(tokens), seq.num_computed, kv.handle(seq),
+                                       kv.block_table(seq)))
+            budget -= len(tokens)
+            scored -= len(tokens) if scoring else 0
+    return StepPlan(kv.take_ops(), tuple(chunks))

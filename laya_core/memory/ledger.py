@@ -1,0 +1,199 @@
+"""The memory ledger: weights + KV pool + overheads per replica, against a budget.
+
+Made before anything loads, from file headers only. ``laya plan`` prints it; ``laya serve``
+refuses to start when it does not fit and says which settings would.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+
+from laya_core.backend import ModelConfig
+from laya_core.kv.dtypes import KV_DTYPES
+from laya_core.memory.budget import Budget
+from laya_core.models.files import ModelShape
+
+# The Python interpreter, Laya, the HTTP stack and the backend libraries, once per process.
+# Measured: 54 MiB after importing everything with llama_cpp; the rest is thread stacks and
+# allocator slack under load.
+# Plus the chat-template sandbox, a child process in the same cgroup, at its address-space
+# cap (laya_core/serving/template_sandbox.py; about 22 MiB resident when idle).
+RUNTIME_OVERHEAD_BYTES = 96 * 2**20 + 64 * 2**20
+# A replica in a worker process of its own (laya_core/replica/worker.py): Python, Laya and the
+# backend's library again. Measured (AMD EPYC, CPython 3.11): 41 MiB after importing the
+# worker and its core modules, 54 MiB with llama_cpp's library; the rest is the worker's
+# threads' stacks and allocator slack.
+WORKER_PROCESS_BYTES = 64 * 2**20
+# The front end keeps each replica's tokenizer (Backend.load_tokenizer): llama.cpp's
+# vocabulary-only load of 49,152 tokens measured 17 MiB.
+FRONT_TOKENIZER_BYTES_PER_TOKEN = 400
+# Structured output (laya_core/structured/), measured with the embedded model's 49,152
+# tokens: llguidance's index of the vocabulary took 25 MiB (AMD EPYC), once in the replica
+# and once in its compile child; the child's interpreter and llguidance 25 MiB more (Intel
+# Xeon: 50 MiB resident once started). The cache's bytes and one compile's memory are the
+# compiler's own bounds (structured/compiler.py CACHE_BYTES, sandbox.py memory_bytes).
+GRAMMAR_VOCAB_BYTES_PER_TOKEN = 540
+GRAMMAR_CHILD_BYTES = 26 * 2**20
+DEFAULT_MAX_SEQ_LEN = 4096
+DEFAULT_MAX_NUM_SEQS = 4
+# Prompt positions whose logits one step may ask for (prompt log-probabilities). Each costs
+# vocab x 4 bytes of logits (192 KiB for a 49,152-token vocabulary: 24 MiB for 128), so the
+# scheduler cuts such prompts into chunks of at most this many and the backend plans it.
+MAX_SCORED_TOKENS_PER_STEP = 128
+
+
+def scored_tokens_per_step(max_step_tokens: int) -> int:
+    """How many prompt positions with logits one step of this size may hold."""
+    return min(max_step_tokens, MAX_SCORED_TOKENS_PER_STEP)
+
+
+def kv_bytes_per_token(shape: ModelShape, dtype: str) -> int:
+    """2 (K and V) x layers x kv_heads x head_dim x bytes, with quantized rows rounded up."""
+    block, size = KV_DTYPES[dtype]
+    k_row = math.ceil(shape.n_kv_heads * shape.head_dim_k / block) * size
+    v_row = math.ceil(shape.n_kv_heads * shape.head_dim_v / block) * size
+    return shape.n_layers * (k_row + v_row)
+
+
+@attrs.frozen
+class Overhead:
+    name: str
+    bytes: int
+    how: str  # how the number was obtained
+    # What the replicas of one process share, such as a backend library's code: a key, and
+    # the plan counts the overheads under one key once (the largest). None: per replica.
+    shared: str | None = None
+
+
+@attrs.frozen
+class MemoryProfile:
+    """What one replica of a model costs, as its backend reports it."""
+
+    weights_bytes: int
+    weights_source: str
+    kv_bytes_per_token: int
+    kv_dtype: str
+    overheads: tuple[Overhead, ...]
+
+
+@attrs.frozen
+class ReplicaLedger:
+    model: str
+    replica: int
+    config: ModelConfig  # with max_seq_len, max_num_seqs and kv_cache_tokens decided
+    profile: MemoryProfile
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len or 0
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.config.kv_cache_tokens or 0
+
+    @property
+    def kv_bytes_per_seq(self) -> int:
+        return self.profile.kv_bytes_per_token * self.max_seq_len
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        return self.profile.kv_bytes_per_token * self.pool_tokens
+
+    @property
+    def overhead_bytes(self) -> int:
+        return sum(o.bytes for o in self.profile.overheads)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.profile.weights_bytes + self.kv_pool_bytes + self.overhead_bytes
+
+    @property
+    def max_concurrent_seqs(self) -> int:
+        """Sequences of full max_seq_len the pool holds at once."""
+        return self.pool_tokens // self.max_seq_len if self.max_seq_len else 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "replica": self.replica, "backend": self.config.backend,
+            "max_seq_len": self.max_seq_len, "max_num_seqs": self.config.max_num_seqs,
+            "kv_cache_tokens": self.pool_tokens, "kv_dtype": self.profile.kv_dtype,
+            "weights_bytes": self.profile.weights_bytes,
+            "weights_source": self.profile.weights_source,
+            "kv_bytes_per_token": self.profile.kv_bytes_per_token,
+            "kv_bytes_per_seq": self.kv_bytes_per_seq, "kv_pool_bytes": self.kv_pool_bytes,
+            "overhead_bytes": self.overhead_bytes,
+            "overheads": [attrs.asdict(o) for o in self.profile.overheads],
+            "total_bytes": self.total_bytes, "max_concurrent_seqs": self.max_concurrent_seqs,
+        }
+
+
+@attrs.frozen
+class Plan:
+    replicas: tuple[ReplicaLedger, ...]
+    runtime_bytes: int
+    budget: Budget
+    suggestions: tuple[str, ...] = ()
+    processes: bool = False  # each replica in a worker process (its ledger says so)
+
+    @property
+    def shared_bytes_counted_once(self) -> int:
+        """What the replica ledgers count more than once of the overheads their process
+        shares (``Overhead.shared``): every replica's ledger holds the line, since each
+        alone would need it, and the total takes each shared key's largest once."""
+        by_key: dict[str, list[int]] = {}
+        for r in self.replicas:
+            for o in r.profile.overheads:
+                if o.shared is not None:
+                    by_key.setdefault(o.shared, []).append(o.bytes)
+        return sum(sum(sizes) - max(sizes) for sizes in by_key.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.runtime_bytes + sum(r.total_bytes for r in self.replicas)
+                - self.shared_bytes_counted_once)
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.budget.bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "fits": self.fits, "budget_bytes": self.budget.bytes,
+            "budget_source": self.budget.source, "headroom_bytes": self.budget.headroom_bytes,
+            "runtime_bytes": self.runtime_bytes, "worker_processes": self.processes,
+            "shared_bytes_counted_once": self.shared_bytes_counted_once,
+            "total_bytes": self.total_bytes,
+            "replicas": [r.to_json() for r in self.replicas],
+            "suggestions": list(self.suggestions),
+        }
+
+
+def decide_sizes(config: ModelConfig, shape: ModelShape) -> ModelConfig:
+    """Fill in max_seq_len (smaller of 4096 and the model's own) and the KV pool size."""
+    return sizes_for(config, shape.n_ctx_train)
+
+
+def sizes_for(config: ModelConfig, n_ctx_train: int) -> ModelConfig:
+    """``config`` with max_seq_len, max_num_seqs, kv_cache_tokens and max_step_tokens decided.
+
+    The one computation of pool sizes: ``laya plan`` runs it on the file's header, the engine
+    on the loaded model, and a config it has already decided comes back unchanged. With
+    ``kv_cache_tokens`` and no explicit ``max_num_seqs``, the number of sequences is how
+    many full-length ones the pool holds (at least 1).
+    """
+    max_seq_len = config.max_seq_len or min(DEFAULT_MAX_SEQ_LEN, n_ctx_train)
+    if config.kv_cache_tokens is not None:
+        pool = config.kv_cache_tokens
+        if pool < max_seq_len:
+            raise ValueError(f"kv_cache_tokens ({pool}) is smaller than max_seq_len "
+                             f"({max_seq_len}): one full-length sequence would not fit")
+        seqs = config.max_num_seqs or min(256, max(1, pool // max_seq_len))
+    else:
+        seqs = config.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+        pool = max_seq_len * seqs
+    step = max(config.max_step_tokens, seqs)
+    return attrs.evolve(config, max_seq_len=max_seq_len, max_num_seqs=seqs, kv_cache_tokens=pool,
+                        max_step_tokens=step)

@@ -1,0 +1,1 @@
+"""Model files read from their headers: shapes, sizes, checks, and the tokenizer."""

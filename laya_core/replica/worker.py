@@ -1,0 +1,342 @@
+"""A replica in a process of its own: the child side, and the messages both sides send.
+
+``python -m laya_core.replica.worker FD`` runs one replica's engine. The front end (the HTTP
+server's process, :mod:`laya_core.replica.worker_client`) talks to it over a socket pair with
+:mod:`multiprocessing.connection` (length-prefixed pickles of the plain frozen types that
+already cross the engine's thread boundary). A native crash in the backend ends this
+process, not the server.
+
+Front end to worker:
+
+- ``("init", ModelConfig, replica_id, plugin_specs)``, first and once;
+- ``("submit", rid, prompt_token_ids, SamplingParams, ConstraintSpec | None)``;
+- ``("cancel", rid)``, ``("embed", rid, inputs)``, ``("embed_cancel", rid)`` (its caller
+  went away: the engine drops what is left of it, and nothing is sent back), ``("stop",)``.
+
+Worker to front end:
+
+- ``("loaded", Loaded)`` or ``("failed", why)`` once the load ended;
+- ``("ack", rid)`` or ``("refused", rid, kind, message, param)`` for each submit, before
+  any event of that request;
+- ``("events", [(rid, TokenEvent), ...], ReplicaState)``: one message per engine step
+  with every request's events of that step (the engine hands a step's events to the loop
+  in one callback, and the flush runs after it), not a message per token per request;
+- ``("embedded", rid, Embeddings | None, kind, message)``;
+- ``("state", ReplicaState)`` every :data:`STATE_EVERY_S` while nothing else is sent, and
+  ``("beat",)`` likewise while the model loads: the heartbeat, sent by a thread of its own
+  (see :func:`_heartbeat`), by which the front end tells a live worker from a stuck one.
+
+The constraint of a submit is compiled here, on a worker thread of this process, never on
+the engine thread. When the front end goes away (its end of the socket closes) the worker
+stops its engine and exits.
+
+The same messages, minus the socket, make a Ray actor (:mod:`laya_core.replica.ray_actor`):
+:func:`build_engine` and :func:`serve_engine` are shared with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import attrs
+
+from laya_core.backend import ModelConfig, ModelInfo
+from laya_core.engine.embed_jobs import EmbeddingsUnsupportedError
+from laya_core.engine.engine import (
+    Engine,
+    EngineState,
+    EngineUnavailableError,
+    QueueFullError,
+    RequestTooLongError,
+)
+from laya_core.replica.client import LocalEngineClient, ReplicaState
+from laya_core.structured.spec import GrammarError
+from laya_core.types import TokenEvent
+
+STATE_EVERY_S = 0.25
+log = logging.getLogger("laya.worker")
+
+
+# A refusal crosses as its kind; each side reads this one table. An error is the first
+# class it is an instance of (GrammarError and EmbeddingsUnsupportedError before their
+# base, ValueError). Anything else is the replica's failure: kind "error", a RuntimeError.
+REFUSALS: tuple[tuple[str, type[Exception]], ...] = (
+    ("grammar", GrammarError), ("too_long", RequestTooLongError),
+    ("queue_full", QueueFullError), ("unavailable", EngineUnavailableError),
+    ("unsupported", EmbeddingsUnsupportedError), ("value", ValueError))
+
+
+def refusal_of(error: Exception) -> tuple[str, str, str | None]:
+    """``(kind, message, param)`` of an error, to send to the front end."""
+    kind = next((k for k, cls in REFUSALS if isinstance(error, cls)), "error")
+    return kind, str(error), getattr(error, "param", None)
+
+
+def refused(kind: str, message: str, param: str | None) -> Exception:
+    """The front end's error for a refusal the replica sent."""
+    if kind == "grammar":
+        return GrammarError(param or "", message)
+    return dict(REFUSALS).get(kind, RuntimeError)(message)
+
+
+@attrs.frozen
+class Loaded:
+    """What the front end learns of a replica once it has loaded."""
+
+    backend_name: str
+    max_seq_len: int
+    max_queue: int
+    supports_prompt_logprobs: bool
+    supports_embeddings: bool
+    backend_embeds: bool
+    model_info: ModelInfo
+    runtime: dict[str, Any]
+    state: ReplicaState
+    pid: int
+
+
+def import_plugins(specs: list[str]) -> list[object]:
+    """``module:attribute`` plugin objects to register beside the installed ones."""
+    out = []
+    for spec in specs:
+        module, _, attr = spec.partition(":")
+        out.append(getattr(importlib.import_module(module), attr))
+    return out
+
+
+class _Link:
+    """The socket's sending side, shared by the loop, the heartbeat and the main thread."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+        self.last_sent = time.monotonic()
+        # Once "loaded" has been sent, beats carry the replica's state.
+        self.state: Callable[[], ReplicaState] | None = None
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        with self._lock:
+            self._conn.send(message)
+            self.last_sent = time.monotonic()
+
+
+def _heartbeat(link: _Link) -> None:
+    """Send something every :data:`STATE_EVERY_S` while nothing else goes out, from this
+    process's start until the front end goes away. A thread of its own, so that neither a long
+    engine step nor a long load holds it back: the backends run their model calls with the
+    GIL released (llama.cpp through ctypes, torch's kernels), and this thread needs it for
+    microseconds. So silence means the process is stopped, frozen or wedged, never busy."""
+    while True:
+        time.sleep(STATE_EVERY_S)
+        if time.monotonic() - link.last_sent < STATE_EVERY_S:
+            continue
+        state = link.state
+        try:
+            link.send(("state", state()) if state is not None else ("beat",))
+        except OSError:  # the front end went away
+            return
+
+
+class _Forward:
+    """One request's sink: its events join the step's message (see the module docstring)."""
+
+    def __init__(self, worker: _Worker, rid: int) -> None:
+        self._worker = worker
+        self._rid = rid
+
+    def put_nowait(self, event: TokenEvent) -> None:
+        self._worker.outgoing(self._rid, event)
+
+
+class _Worker:
+    """One replica's side of the protocol; ``send`` carries a message to the front end
+    (raising OSError once it has gone away)."""
+
+    def __init__(self, send: Callable[[tuple[Any, ...]], None], engine: Engine) -> None:
+        self._transport = send
+        self.engine = engine
+        self.client = LocalEngineClient(engine)  # its state() and grammars()
+        self.loop = asyncio.get_running_loop()
+        self.streams: dict[int, Any] = {}
+        self._cancelled: set[int] = set()  # cancels that came before their submit ran
+        self.embeds: dict[int, asyncio.Future[None]] = {}  # embed requests under way
+        self._outbox: list[tuple[int, TokenEvent]] = []
+        self._flush_due = False
+        self._last_sent = time.monotonic()
+        self._send_lock = threading.Lock()
+        self.done = asyncio.Event()
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        try:
+            with self._send_lock:
+                self._transport(message)
+        except OSError:  # the front end went away; the reader ends the worker
+            self.done.set()
+        self._last_sent = time.monotonic()
+
+    def outgoing(self, rid: int, event: TokenEvent) -> None:
+        self._outbox.append((rid, event))
+        if event.finish_reason is not None:
+            self.streams.pop(rid, None)
+        if not self._flush_due:
+            self._flush_due = True
+            self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_due = False
+        events, self._outbox = self._outbox, []
+        self.send(("events", events, self.client.state()))
+
+    def handle(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "submit":
+            asyncio.ensure_future(self._submit(*message[1:]))
+        elif kind == "cancel":
+            stream = self.streams.get(message[1])
+            if stream is not None:
+                stream.cancel()
+            else:
+                self._cancelled.add(message[1])
+        elif kind == "embed":
+            self.embeds[message[1]] = asyncio.ensure_future(self._embed(*message[1:]))
+        elif kind == "embed_cancel":
+            task = self.embeds.pop(message[1], None)
+            if task is not None:  # cancels the engine's future, which tells the engine
+                task.cancel()
+        elif kind == "stop":
+            self.done.set()
+
+    async def _submit(self, rid: int, prompt: list[int], params: Any, spec: Any) -> None:
+        try:
+            matcher = None
+            if spec is not None:
+                matcher = await asyncio.to_thread(self.client.grammars().constraint, spec)
+            stream = self.engine.submit(prompt, params, constraint=matcher,
+                                        sink=_Forward(self, rid))
+        except (ValueError, EngineUnavailableError, QueueFullError) as e:
+            self.send(("refused", rid, *refusal_of(e)))
+            return
+        self.send(("ack", rid))
+        if rid in self._cancelled:
+            self._cancelled.discard(rid)
+            stream.cancel()
+        else:  # no event can have come yet: they reach this loop after this callback
+            self.streams[rid] = stream
+
+    async def _embed(self, rid: int, inputs: list[list[int]]) -> None:
+        try:
+            result = await self.engine.embed(inputs)
+        except asyncio.CancelledError:  # embed_cancel: the front end has forgotten it
+            return
+        except Exception as e:  # noqa: BLE001 - the front end raises the matching error
+            self.send(("embedded", rid, None, *refusal_of(e)))
+            return
+        finally:
+            self.embeds.pop(rid, None)
+        self.send(("embedded", rid, result, None, None, None))
+
+    async def heartbeat(self) -> None:
+        while not self.done.is_set():
+            await asyncio.sleep(STATE_EVERY_S)
+            if time.monotonic() - self._last_sent >= STATE_EVERY_S:
+                self.send(("state", self.client.state()))
+
+
+def _read(conn: Connection, worker: _Worker) -> None:
+    """The socket's reader, on a thread of its own: messages go to the loop."""
+    try:
+        while True:
+            message = conn.recv()
+            worker.loop.call_soon_threadsafe(worker.handle, message)
+            if message[0] == "stop":
+                return
+    except (EOFError, OSError):  # the front end went away
+        worker.loop.call_soon_threadsafe(worker.done.set)
+
+
+async def serve_engine(engine: Engine, send: Callable[[tuple[Any, ...]], None],
+                       started: Callable[[_Worker], None], heartbeat: bool = True) -> None:
+    """Serve a loaded engine's protocol until the front end stops it or goes away;
+    ``started`` gets the worker once it exists, to feed it the front end's messages
+    (``worker.handle`` on ``worker.loop``). ``heartbeat``: send the idle state messages
+    from this loop (a worker process sends them from its own thread instead)."""
+    worker = _Worker(send, engine)
+    started(worker)
+    beat = asyncio.ensure_future(worker.heartbeat()) if heartbeat else None
+    await worker.done.wait()
+    if beat is not None:
+        beat.cancel()
+
+
+def build_engine(config: ModelConfig, replica_id: int, plugins: list[str]) -> Engine:
+    """The replica's engine, from the installed plugins and ``plugins`` (not started)."""
+    from laya_core.plugins import load_registry
+
+    registry = load_registry(import_plugins(plugins))
+    return Engine(config, registry.backends[config.backend].obj(config),
+                  registry.schedulers[config.scheduler].obj,
+                  registry.cache_policy_for(config.backend, config.cache_policy),
+                  replica_id=replica_id)
+
+
+def loaded_of(engine: Engine) -> Loaded:
+    assert engine.info is not None
+    return Loaded(
+        backend_name=engine.backend.name, max_seq_len=engine.max_seq_len,
+        max_queue=engine.config.max_queue,
+        supports_prompt_logprobs=engine.backend.supports_prompt_logprobs,
+        supports_embeddings=engine.backend.supports_embeddings and engine.config.embeddings,
+        backend_embeds=engine.backend.supports_embeddings,
+        model_info=engine.info,
+        runtime=engine.runtime(), state=LocalEngineClient(engine).state(), pid=os.getpid())
+
+
+def main(fd: int) -> int:
+    from laya_core.cli.logs import setup_logging
+
+    setup_logging()
+    # The front end decides when this replica stops (it drains its requests first); a
+    # terminal's Ctrl-C or a service manager's SIGTERM reaches the whole process group.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    conn = Connection(fd)
+    link = _Link(conn)
+    threading.Thread(target=_heartbeat, args=(link,), name="laya-worker-heartbeat",
+                     daemon=True).start()
+    _, config, replica_id, plugins = conn.recv()
+    assert isinstance(config, ModelConfig)
+    engine = build_engine(config, replica_id, plugins)
+    engine.start()
+    if not engine.wait_ready():
+        link.send(("failed", engine.error or engine.state.value))
+        return 1
+    link.send(("loaded", loaded_of(engine)))
+    link.state = LocalEngineClient(engine).state
+
+    def started(worker: _Worker) -> None:
+        threading.Thread(target=_read, args=(conn, worker), name="laya-worker-reader",
+                         daemon=True).start()
+
+    try:
+        asyncio.run(serve_engine(engine, link.send, started, heartbeat=False))
+    finally:
+        engine.stop()
+    return 0 if engine.state is not EngineState.FAILED else 1
+
+
+if __name__ == "__main__":
+    # Run the imported module's main, not this __main__ copy's: the classes pickled to the
+    # front end (Loaded) must be laya_core.replica.worker's.
+    from laya_core.replica import worker
+
+    sys.exit(worker.main(int(sys.argv[1])))

@@ -1,0 +1,1 @@
+"""A running deployment: its replicas, the router in front, chat prompts and the Hypercorn server."""

@@ -1,0 +1,130 @@
+"""The ledger from headers: model shapes, KV arithmetic, budgets, suggestions."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from laya_core.builtin.model_paths import embedded_file
+from laya_core.config import manifest as mf
+from laya_core.memory import budget as budget_mod
+from laya_core.memory import planner
+from laya_core.memory.ledger import kv_bytes_per_token
+from laya_core.models.files import ModelFileError, read_shape
+from laya_core.plugins import load_registry
+
+LLAMA_7B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+            "intermediate_size": 11008, "num_attention_heads": 32, "num_hidden_layers": 32,
+            "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 32768,
+            "torch_dtype": "float16", "tie_word_embeddings": False}
+
+
+def hf_folder(tmp_path: Path, config: dict) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_gguf_shape_of_the_embedded_model() -> None:
+    shape = read_shape(embedded_file("smollm2-135m-instruct"))
+    assert (shape.architecture, shape.n_layers, shape.n_heads, shape.n_kv_heads) == \
+        ("llama", 30, 9, 3)
+    assert (shape.head_dim_k, shape.hidden_size, shape.vocab_size, shape.n_ctx_train) == \
+        (64, 576, 49152, 8192)
+    assert shape.weights_bytes == 96_576_768  # 92.1 MiB: the tensor table, not the file size
+    assert kv_bytes_per_token(shape, "f16") == 23_040  # 2 x 30 x 3 x 64 x 2 B
+
+
+def test_kv_bytes_for_quantized_caches_round_rows_to_blocks() -> None:
+    shape = read_shape(embedded_file("smollm2-135m-instruct"))
+    # A K row is 3 heads x 64 = 192 values = 6 blocks of 32: 6 x 34 B in q8_0, 6 x 18 B in q4_0.
+    assert kv_bytes_per_token(shape, "q8_0") == 30 * 2 * 6 * 34
+    assert kv_bytes_per_token(shape, "q4_0") == 30 * 2 * 6 * 18
+
+
+def test_seven_b_from_config_json_alone(tmp_path: Path) -> None:
+    shape = read_shape(hf_folder(tmp_path, LLAMA_7B))
+    assert kv_bytes_per_token(shape, "f16") == 512 * 1024  # 2 x 4096 x 2 B x 32 layers
+    assert 6.7e9 * 2 < shape.weights_bytes < 6.8e9 * 2
+    assert "estimated from config.json" in shape.weights_source
+
+
+def test_grouped_query_attention_and_safetensors_headers(tmp_path: Path) -> None:
+    config = {**LLAMA_7B, "num_key_value_heads": 8}
+    folder = hf_folder(tmp_path, config)
+    header = json.dumps({"a": {"dtype": "F16", "shape": [10, 10], "data_offsets": [0, 200]},
+                         "b": {"dtype": "F32", "shape": [5], "data_offsets": [200, 220]},
+                         "__metadata__": {"format": "pt"}}).encode()
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header +
+                                               bytes(220))
+    shape = read_shape(folder)
+    assert kv_bytes_per_token(shape, "f16") == 128 * 1024  # 8 of 32 heads
+    assert shape.weights_bytes == 220 and "safetensors headers (1 files)" in shape.weights_source
+
+
+def test_unreadable_models_are_clear_errors(tmp_path: Path) -> None:
+    (tmp_path / "x.gguf").write_bytes(b"NOPE" + bytes(20))
+    with pytest.raises(ModelFileError, match="not a GGUF file"):
+        read_shape(tmp_path / "x.gguf")
+    with pytest.raises(ModelFileError, match="no config.json"):
+        read_shape(tmp_path)
+
+
+def test_budget_sources(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 100 kB\nMemAvailable: 8388608 kB\n")  # 8 GiB
+    cg = tmp_path / "cg"
+    cg.mkdir()
+    (cg / "memory.max").write_text("max\n")
+    b = budget_mod.detect(None, cg, meminfo)
+    assert b.source.startswith("MemAvailable") and b.bytes == 8 * 2**30 - int(0.8 * 2**30)
+    (cg / "memory.max").write_text(str(2 * 2**30))
+    b = budget_mod.detect(None, cg, meminfo)
+    assert "cgroup" in b.source and b.bytes == 2 * 2**30 - 256 * 2**20
+    assert budget_mod.detect(12345, cg, meminfo) == budget_mod.Budget(12345, "manifest [memory] budget")
+
+
+def plan_of(models: list[dict], budget: str = "64GiB") -> planner.Plan:
+    registry = load_registry()
+    manifest = mf.resolve(mf.from_dict({"memory": {"budget": budget}, "models": models}),
+                          registry, need_backends=False)
+    return planner.make_plan(manifest, registry)
+
+
+def test_the_32k_times_8_disaster_is_refused_with_settings_that_fit(tmp_path: Path) -> None:
+    plan = plan_of([{"name": "big", "path": str(hf_folder(tmp_path, LLAMA_7B)),
+                     "backend": "llamacpp", "max_seq_len": 32768, "max_num_seqs": 8}])
+    (r,) = plan.replicas
+    assert r.kv_bytes_per_seq == 16 * 2**30 and r.kv_pool_bytes == 128 * 2**30
+    assert not plan.fits
+    text = "\n".join(plan.suggestions)
+    # max_num_seqs 2, not 3: the saved KV (a quarter of the pool) is planned too
+    assert "max_seq_len = " in text and "max_num_seqs = 2" in text and "q4_0" in text
+    for suggestion in plan.suggestions:  # each suggestion really fits when applied
+        key, value = suggestion.split(" (")[0].split(" = ")
+        change = {key.split(".")[1]: json.loads(value)}
+        fixed = plan_of([{"name": "big", "path": str(tmp_path), "backend": "llamacpp",
+                          "max_seq_len": 32768, "max_num_seqs": 8, **change}])
+        assert fixed.fits, suggestion
+
+
+def test_kv_cache_tokens_decides_the_number_of_sequences(tmp_path: Path) -> None:
+    plan = plan_of([{"name": "m", "path": "embedded:smollm2-135m-instruct",
+                     "max_seq_len": 1024, "kv_cache_tokens": 5000}])
+    (r,) = plan.replicas
+    assert r.pool_tokens == 5000 and r.config.max_num_seqs == 4 and r.max_concurrent_seqs == 4
+    with pytest.raises(mf.ManifestError) as info:
+        plan_of([{"name": "m", "path": "embedded:smollm2-135m-instruct",
+                  "kv_cache_tokens": 1000}])  # default max_seq_len 4096 does not fit 1000
+    assert info.value.key == "models[0].kv_cache_tokens"
+
+
+def test_default_max_seq_len_is_the_smaller_of_4096_and_the_models(tmp_path: Path) -> None:
+    plan = plan_of([{"name": "m", "path": "embedded:smollm2-135m-instruct"},
+                    {"name": "short", "backend": "other",
+                     "path": str(hf_folder(tmp_path, {**LLAMA_7B,
+                                                      "max_position_embeddings": 2048}))}])
+    assert [r.max_seq_len for r in plan.replicas] == [4096, 2048]
+    assert [r.config.max_num_seqs for r in plan.replicas] == [4, 4]
