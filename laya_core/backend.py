@@ -192,9 +192,10 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def allocate_kv(self, *, num_tokens: int, max_num_seqs: int) -> None:
-        """Allocate the fixed KV pool: ``num_tokens`` tokens (``num_tokens // 16`` blocks of
-        16 on the paged layout) for at most ``max_num_seqs`` running sequences. Called once,
-        at load, by the cache policy (``KVCache.allocate``)."""
+        """Allocate the fixed KV pool: ``num_tokens`` tokens (blocks of
+        ``laya_core.kv.hashing.BLOCK_SIZE`` tokens on the paged layout) for at most
+        ``max_num_seqs`` running sequences. Called once, at load, by the cache policy
+        (``KVCache.allocate``)."""
 
     @abc.abstractmethod
     def tokenizer(self) -> Tokenizer:

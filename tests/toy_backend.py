@@ -27,7 +27,7 @@ from laya_core.engine.engine import Engine
 from laya_core.engine.scheduler import FcfsScheduler
 from laya_core.hookspecs import hookimpl
 from laya_core.kv.policies import PagedKVCache
-from laya_core.kv.pool import BLOCK_SIZE
+from laya_core.kv.hashing import BLOCK_SIZE
 from laya_core.models.tokenizer import Tokenizer
 from laya_core.types import Sample, SamplingParams
 

@@ -26,7 +26,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from laya_core.routing.router import POLICIES, PythonRouter, Router, prefix_hashes
+from laya_core.kv.hashing import prefix_hashes
+from laya_core.routing.router import POLICIES, PythonRouter, Router
 
 # (model, replicas, aliases)
 MODELS = (

@@ -27,6 +27,7 @@ from laya_core.engine.embed_jobs import (
     EmbedJob,
 )
 from laya_core.engine.embed_queue import EmbedQueue, embed_budget
+from laya_core.engine.limits import RequestTooLongError, check_length
 from laya_core.engine.progress import Live
 from laya_core.engine.request import Request
 from laya_core.engine.scheduler import Scheduler, SchedulerConfig
@@ -54,20 +55,6 @@ class EngineState(enum.Enum):
     READY = "ready"
     FAILED = "failed"
     STOPPED = "stopped"
-
-
-class RequestTooLongError(ValueError):
-    """Prompt plus max_tokens exceeds what one sequence may hold."""
-
-
-def check_length(num_prompt_tokens: int, max_tokens: int, max_seq_len: int) -> None:
-    """Raise :class:`RequestTooLongError` when prompt + max_tokens exceed max_seq_len (an
-    engine's rule, which a front end applies before it sends a request elsewhere)."""
-    if num_prompt_tokens + max_tokens > max_seq_len:
-        raise RequestTooLongError(
-            f"the prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}: "
-            f"{num_prompt_tokens + max_tokens} tokens in all, more than this model's "
-            f"max_seq_len of {max_seq_len}; shorten the prompt or lower max_tokens")
 
 
 class EngineUnavailableError(RuntimeError):

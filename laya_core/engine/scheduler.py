@@ -48,6 +48,9 @@ class Scheduler(abc.ABC):
         return bool(self.waiting or self.running)
 
     def add(self, seq: Request) -> None:
+        """Queue ``seq``. Its length was checked at submit against max_seq_len (the length
+        rule, :mod:`laya_core.engine.limits`); this is the KV cache's own bound, which only a
+        pool of whole blocks smaller than max_seq_len can refuse."""
         if not self.kv.can_ever_hold(seq.max_total_tokens):
             raise ValueError(
                 f"sequence {seq.seq_id} needs {seq.max_total_tokens} tokens of KV cache; "

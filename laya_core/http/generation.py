@@ -10,6 +10,7 @@ from typing import Any
 
 import attrs
 
+from laya_core.engine.limits import room_to_generate
 from laya_core.engine.stream import GenerationStream
 from laya_core.http.errors import APIError, invalid
 from laya_core.http.requests import ChatRequest, CompletionRequest, GenerationRequest
@@ -20,7 +21,8 @@ from laya_core.replica.client import (
     QueueFullError,
     RequestTooLongError,
 )
-from laya_core.routing.router import NoRouteError, prefix_hashes
+from laya_core.kv.hashing import prefix_hashes
+from laya_core.routing.router import NoRouteError
 from laya_core.serving.deployment import Deployment, ModelUnavailableError, UnknownModelError
 from laya_core.serving.template_sandbox import TemplateUnavailableError
 from laya_core.types import FinishReason, Sample, SamplingParams, Timing, TokenEvent
@@ -201,12 +203,14 @@ async def start(deployment: Deployment, request: ChatRequest | CompletionRequest
             if not prompt:
                 raise invalid(param, "the prompt holds no tokens once tokenized; send text "
                               "the model can read", "empty_prompt")
-            if len(prompt) >= limit:
+            room = room_to_generate(len(prompt), limit)
+            if room < 1:
                 deployment.rejections[req.model, "too_long"] += 1
                 raise invalid(param, f"the prompt has {len(prompt)} tokens; this model's "
                               f"max_seq_len is {limit}, which leaves no room to generate",
                               "context_length_exceeded")
-            max_tokens = req.max_tokens if req.max_tokens is not None else limit - len(prompt)
+            # A max_tokens that does not fit is refused by the client's submit (the same rule).
+            max_tokens = req.max_tokens if req.max_tokens is not None else room
             for choice in range(req.n):
                 # The first choice scores the prompt for all n (they share it); echo with
                 # max_tokens 0 generates one token, which is not shown (as vLLM does).

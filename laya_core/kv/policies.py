@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import attrs
 
-from laya_core.kv.pool import BLOCK_SIZE, KVManager
+from laya_core.kv.hashing import BLOCK_SIZE
+from laya_core.kv.pool import KVManager
 from laya_core.kv.prefix import MIN_TAIL_TOKENS
 
 if TYPE_CHECKING:

@@ -5,8 +5,8 @@ fixed at load. Each sequence holds a block table (block ids for positions ``0 ..
 block a reference count: a block of a cached prefix may sit in many tables at once.
 
 A *full* block whose KV is computed gets a hash that covers its tokens and every token
-before it (``router.next_block_hash``: the chain the router's ``prefix_hashes`` uses, so a
-block the router routes by is a block this index holds). The index maps hash -> block. A
+before it (``kv/hashing.py``: the chain the router's ``prefix_hashes`` uses, so a block
+the router routes by is a block this index holds). The index maps hash -> block. A
 block no sequence holds keeps its KV and its hash until its room is needed: such blocks are
 evicted least recently used first, and only after the blocks that hold nothing. So free
 blocks, not the number of sequences, limit how many prefixes stay cached.
@@ -20,9 +20,7 @@ import collections
 import math
 from collections.abc import Sequence
 
-from laya_core.routing.router import next_block_hash
-
-BLOCK_SIZE = 16  # tokens; the router's prefix_hashes block
+from laya_core.kv.hashing import BLOCK_SIZE, next_block_hash
 
 
 class KVManager:

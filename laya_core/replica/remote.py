@@ -23,7 +23,7 @@ import attrs
 
 from laya_core.backend import Backend, ModelConfig
 from laya_core.engine.embed_jobs import Embeddings
-from laya_core.engine.engine import check_length
+from laya_core.engine.limits import check_length
 from laya_core.engine.stream import GenerationStream, deliver
 from laya_core.models.tokenizer import Tokenizer
 from laya_core.replica.client import (

@@ -1,4 +1,4 @@
-"""The router contract, prompt-prefix hashing and the pure-Python reference router.
+"""The router contract and the pure-Python reference router.
 
 A router picks the replica (one loaded engine of a model) for each request. It is table work
 only: no I/O and no model, so a decision takes microseconds. The C++ router in
@@ -9,15 +9,14 @@ The tables, per model (a *pool*, shared by the model's aliases):
 
 - the replicas, in the order they were added: weight, state, outstanding requests;
 - sessions: session id -> the replica that served it, least recently used first out;
-- the prefix index: block hash (see :func:`prefix_hashes`) -> the replica that last served a
-  prompt starting with those blocks, least recently used first out.
+- the prefix index: block hash (``laya_core/kv/hashing.py``: the chain the KV cache indexes
+  its blocks by) -> the replica that last served a prompt starting with those blocks, least
+  recently used first out.
 """
 
 from __future__ import annotations
 
 import enum
-import hashlib
-import struct
 import threading
 import time
 from collections import OrderedDict
@@ -52,51 +51,6 @@ class NoRouteError(LookupError):
     """No replica can take the request: unknown model, or none of its replicas is up."""
 
 
-def prefix_hashes(
-    token_ids: Sequence[int], block_size: int = 16, max_blocks: int | None = 32
-) -> tuple[int, ...]:
-    """Cumulative hashes of the leading full blocks of a tokenized prompt, for ``route(prefix=)``.
-
-    Hash ``i`` covers tokens ``[0, (i + 1) * block_size)``, so two prompts share hash ``i``
-    exactly when they share those tokens. Hashes are 64-bit BLAKE2b digests (unsigned ints), the
-    same in every process and on every platform (unlike ``hash()`` of a str). A partial last
-    block is left out, as the KV cache only reuses full blocks. ``max_blocks`` (32 x 16 = 512
-    tokens by default) is enough to tell conversations apart; each hash costs the router a table
-    update per request. About 0.8 µs per block.
-    """
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    num_blocks = len(token_ids) // block_size
-    if max_blocks is not None:
-        num_blocks = min(num_blocks, max_blocks)
-    num_bytes = 4 * block_size  # tokens are packed as little-endian uint32
-    data = _pack(token_ids[: num_blocks * block_size])
-    digest, hashes = b"", []
-    for start in range(0, len(data), num_bytes):
-        # Chaining the previous digest makes hash i depend on every block before it.
-        digest = hashlib.blake2b(digest + data[start : start + num_bytes], digest_size=8).digest()
-        hashes.append(int.from_bytes(digest, "little"))
-    return tuple(hashes)
-
-
-def next_block_hash(previous: int | None, block: Sequence[int]) -> int:
-    """The hash of ``block`` following the block hashed ``previous`` (None: the first block).
-
-    The same chain as :func:`prefix_hashes`, one block at a time: the KV manager hashes a
-    sequence's blocks as they fill, and a block it caches has the hash the router routes by.
-    """
-    digest = b"" if previous is None else previous.to_bytes(8, "little")
-    digest = hashlib.blake2b(digest + _pack(block), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
-
-
-def _pack(token_ids: Sequence[int]) -> bytes:
-    try:
-        return struct.pack(f"<{len(token_ids)}I", *token_ids)
-    except struct.error:
-        raise ValueError("token ids must be integers in [0, 2**32)") from None
-
-
 class Router(Protocol):
     """What the HTTP layer needs from a router. Replica ids are small non-negative integers.
 
@@ -129,7 +83,7 @@ class Router(Protocol):
     def route(self, model: str, session: str | None = None, prefix: Sequence[int] = ()) -> int:
         """Choose a replica of ``model`` and count one more outstanding request on it.
 
-        ``session`` is the client's conversation id; ``prefix`` is :func:`prefix_hashes` of the
+        ``session`` is the client's conversation id; ``prefix`` is ``prefix_hashes`` of the
         rendered prompt (unsigned 64-bit ints). Each policy reads only the input it needs, so a
         caller always passes both. Raises :class:`NoRouteError` when the model is unknown or has
         no replica up.

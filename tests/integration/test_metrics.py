@@ -14,7 +14,7 @@ import pytest
 from conftest import SMOLLM_BACKENDS, serving, smollm_manifest
 from prometheus_client.parser import text_string_to_metric_families
 
-from laya_core.kv.pool import BLOCK_SIZE
+from laya_core.kv.hashing import BLOCK_SIZE
 from laya_core.kv.prefix import MIN_TAIL_TOKENS
 
 # The vLLM series the panels of vLLM's published Grafana dashboard query, by name without

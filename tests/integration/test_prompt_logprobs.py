@@ -20,6 +20,7 @@ import pytest
 from conftest import SMOLLM_BACKENDS, ServerProcess, repeatable_server, runtime
 
 from laya_core.builtin.model_paths import embedded_file
+from laya_core.kv.hashing import BLOCK_SIZE
 
 # Long enough to be scored in three chunks (memory_plan.MAX_SCORED_TOKENS_PER_STEP = 128).
 STORY = ("Once upon a time, in a small village by the sea, there lived an old fisherman who "
@@ -79,7 +80,7 @@ def torch_reference(dtype: str, quantize: str) -> Reference:
     model = LlamaModel(checkpoint.config, checkpoint.tensors(), getattr(torch, dtype),
                        torch.device("cpu"), quantize=quantize, max_positions=512,
                        attention_dtype=torch.float64)  # as the server's deterministic
-    block_size = 16
+    block_size = BLOCK_SIZE
     model.allocate_kv(512, torch.float16)
 
     def log_softmax(tokens: list[int]) -> np.ndarray:

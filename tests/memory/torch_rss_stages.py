@@ -20,7 +20,7 @@ import attrs
 
 from laya_core.backend import ModelConfig, StepItem
 from laya_core.config import manifest as mf
-from laya_core.kv.pool import BLOCK_SIZE
+from laya_core.kv.hashing import BLOCK_SIZE
 from laya_core.memory import planner
 from laya_core.memory.ledger import scored_tokens_per_step
 from laya_core.plugins import load_registry

@@ -15,7 +15,8 @@ from laya_router import CppRouter
 
 from laya_core.plugins import load_registry
 from laya_core.routing import router as core
-from laya_core.routing.router import NoRouteError, ReplicaState, Router, prefix_hashes
+from laya_core.kv.hashing import prefix_hashes
+from laya_core.routing.router import NoRouteError, ReplicaState, Router
 
 
 def make_router(*replicas: tuple[str, int]) -> CppRouter:

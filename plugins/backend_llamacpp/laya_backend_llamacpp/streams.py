@@ -39,7 +39,7 @@ from laya_backend_llamacpp.stream_ops import (
 )
 from laya_core.engine.request import Request
 from laya_core.kv.policies import KVCache, KVOp, max_reuse_tokens
-from laya_core.kv.pool import BLOCK_SIZE
+from laya_core.kv.hashing import BLOCK_SIZE
 from laya_core.kv.prefix import MIN_REUSE_TOKENS, best_match, common_prefix_len
 
 

@@ -126,7 +126,7 @@ class TorchBackend(Backend):
             special_tokens=tok.special_tokens)
 
     def allocate_kv(self, *, num_tokens: int, max_num_seqs: int) -> None:
-        from laya_core.kv.pool import BLOCK_SIZE
+        from laya_core.kv.hashing import BLOCK_SIZE
 
         kv_dtype = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[
             self.config.kv_cache_dtype]

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from laya_core.kv.pool import BLOCK_SIZE, KVManager
-from laya_core.routing.router import prefix_hashes
+from laya_core.kv.hashing import BLOCK_SIZE, prefix_hashes
+from laya_core.kv.pool import KVManager
 
 
 def tokens(n: int, start: int = 0) -> list[int]:
