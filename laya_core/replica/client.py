@@ -4,7 +4,7 @@ The HTTP side runs on an asyncio loop; a replica's engine runs on a thread of it
 process today and in a worker process or on another machine later. Between the two only plain,
 immutable data passes: token ids and :class:`SamplingParams` in, :class:`TokenEvent` objects
 out (the final one carrying the sequence's :class:`Usage`), :class:`ReplicaInfo` and
-:class:`ReplicaState` snapshots for limits, ``/ready`` and ``/metrics``. No object that one
+:class:`ReplicaSnapshot` for limits, ``/ready`` and ``/metrics``. No object that one
 side changes is read by the other. :class:`EngineClient` is the contract a transport
 implements; :class:`LocalEngineClient` is the in-process one.
 
@@ -39,7 +39,7 @@ from laya_core.types import FinishReason, SamplingParams
 
 __all__ = ["EngineClient", "EngineState", "EngineUnavailableError", "GrammarError",
            "LocalEngineClient",
-           "QueueFullError", "ReplicaInfo", "ReplicaState", "RequestTooLongError"]
+           "QueueFullError", "ReplicaInfo", "ReplicaSnapshot", "RequestTooLongError"]
 
 
 @attrs.frozen
@@ -59,8 +59,10 @@ class ReplicaInfo:
 
 
 @attrs.frozen
-class ReplicaState:
-    """A replica's counters at one moment, for ``/ready`` and ``/metrics``."""
+class ReplicaSnapshot:
+    """A replica's state and counters at one moment, for ``/ready``, ``/live`` and
+    ``/metrics``. (Whether the router sends it requests is another thing, the router's
+    :class:`~laya_core.routing.router.ReplicaState`.)"""
 
     model: str
     replica_id: int
@@ -91,6 +93,17 @@ class ReplicaState:
         return self.kv_used_tokens / self.kv_capacity_tokens if self.kv_capacity_tokens else 0.0
 
 
+def info_of(engine: Engine) -> ReplicaInfo:
+    """What a loaded engine serves (its thread writes these before it leaves LOADING)."""
+    assert engine.info is not None
+    return ReplicaInfo(
+        model=engine.config.name, replica_id=engine.replica_id,
+        backend_name=engine.backend.name, max_seq_len=engine.max_seq_len,
+        max_queue=engine.config.max_queue,
+        supports_prompt_logprobs=engine.backend.supports_prompt_logprobs,
+        model_info=engine.info, backend_embeds=engine.backend.supports_embeddings)
+
+
 class EngineClient(abc.ABC):
     """One replica as the HTTP side sees it. Call it from the event loop that reads the
     streams; ``tokenizer()``'s methods may also run on worker threads."""
@@ -100,7 +113,7 @@ class EngineClient(abc.ABC):
         self.replica_id = replica_id
 
     @abc.abstractmethod
-    def state(self) -> ReplicaState:
+    def state(self) -> ReplicaSnapshot:
         """A snapshot of the replica's state and counters; cheap enough to call per request."""
 
     @abc.abstractmethod
@@ -153,10 +166,10 @@ class LocalEngineClient(EngineClient):
         self._info: ReplicaInfo | None = None
         self._grammars: GrammarCompiler | None = None
 
-    def state(self) -> ReplicaState:
+    def state(self) -> ReplicaSnapshot:
         # The engine thread is the only writer of these counters; each read is one int.
         e = self._engine
-        return ReplicaState(
+        return ReplicaSnapshot(
             model=self.model, replica_id=self.replica_id, state=e.state, error=e.error,
             num_running=e.num_running, num_waiting=e.num_waiting,
             kv_capacity_tokens=e.kv_capacity_tokens, kv_used_tokens=e.kv_used_tokens,
@@ -173,11 +186,7 @@ class LocalEngineClient(EngineClient):
             if e.state is EngineState.LOADING or e.info is None or e.tokenizer is None:
                 raise EngineUnavailableError(
                     f"{self.model} replica {self.replica_id} is {e.state.value}")
-            self._info = ReplicaInfo(
-                model=self.model, replica_id=self.replica_id, backend_name=e.backend.name,
-                max_seq_len=e.max_seq_len, max_queue=e.config.max_queue,
-                supports_prompt_logprobs=e.backend.supports_prompt_logprobs,
-                model_info=e.info, backend_embeds=e.backend.supports_embeddings)
+            self._info = info_of(e)
         return self._info
 
     def tokenizer(self) -> Tokenizer:

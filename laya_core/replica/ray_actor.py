@@ -1,4 +1,4 @@
-"""A replica as a Ray actor: :mod:`laya_core.replica.worker`'s engine and protocol, polled.
+"""A replica as a Ray actor: :mod:`laya_core.replica.worker`'s engine and messages, polled.
 
 :class:`ReplicaActor` is a plain class; :mod:`laya_core.replica.ray_client` makes it a Ray actor
 (``ray.remote`` with the replica's resources), so this module imports no Ray. Its
@@ -79,7 +79,7 @@ class ReplicaActor:
         return (*self._first, ray.get_runtime_context().get_node_id())
 
     def send(self, message: tuple[Any, ...]) -> None:
-        """One of the front end's messages (laya_core/replica/worker.py's protocol)."""
+        """One of the front end's messages (laya_core/replica/protocol.py)."""
         worker = self._worker
         if worker is not None:
             worker.loop.call_soon_threadsafe(worker.handle, message)

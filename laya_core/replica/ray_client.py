@@ -11,6 +11,8 @@ replicas onto a node than its memory holds. A thread per replica keeps one long 
 ``ray.kill``) its requests end at once (``TokenEvent.replica_lost``: a 503 with
 Retry-After, or an error event mid-stream), the router marks the replica down, Ray
 restarts the actor (``max_restarts``), and the replica rejoins once it has loaded again.
+When to leave it down is :mod:`laya_core.replica.supervisor`'s, shared with the worker
+process.
 
 Ray is imported only here, and only when a manifest asks for it.
 """
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,12 +28,12 @@ from laya_core.backend import Backend, ModelConfig
 from laya_core.replica.client import EngineState
 from laya_core.replica.ray_actor import ReplicaActor
 from laya_core.replica.remote import RemoteEngineClient
+from laya_core.replica.supervisor import Outcome
 
 log = logging.getLogger(__name__)
 POLL_S = 1.0  # the longest one events() call waits; the actor's state beat is 0.25 s
-MAX_LOAD_CRASHES = 3  # actor deaths while loading, in a row, before the replica is left down
-# Ray restarts a dead actor this many times in its life (-1: always); MAX_LOAD_CRASHES
-# stops a replica that cannot load.
+# Ray restarts a dead actor this many times in its life (-1: always); the supervisor's
+# MAX_LOAD_CRASHES stops a replica that cannot load.
 MAX_RESTARTS = -1
 ACTOR_THREADS = 4  # the actor's method threads: a waiting poll, submits, cancels
 
@@ -61,6 +62,8 @@ class RayEngineClient(RemoteEngineClient):
     """One replica in a Ray actor; see the module docstring."""
 
     kind = "ray"
+    child = "Ray actor"
+    restarts_itself = True
 
     def __init__(self, config: ModelConfig, replica_id: int, backend: Backend,
                  plugins: Sequence[str] = (), planned_bytes: int | None = None,
@@ -117,34 +120,26 @@ class RayEngineClient(RemoteEngineClient):
 
     # -- supervision ------------------------------------------------------------------------
 
-    def _supervise(self) -> None:
+    def _run_once(self) -> Outcome:
+        """Wait for the actor (Ray starts it again after a death) to load, then serve it."""
         import ray.exceptions
 
-        crashes = 0  # deaths while loading, in a row
-        while not self._stopping.is_set():
-            try:
-                kind, value, node = ray.get(self._actor.loaded.remote())
-            except ray.exceptions.RayActorError as e:
-                crashes += 1
-                self._error = f"its Ray actor died while loading: {_short(e)}"
-                if crashes >= MAX_LOAD_CRASHES:
-                    self._left_down(crashes)
-                    break
-                time.sleep(0.5 * crashes)
-                continue
-            if not self._serve_loaded(kind, value, node):
-                break
-            crashes = 0
-            self._poll()
-        self._ready.set()
+        try:
+            kind, value, node = ray.get(self._actor.loaded.remote())
+        except ray.exceptions.RayActorError as e:
+            self._error = f"its Ray actor died while loading: {_short(e)}"
+            return Outcome.CRASHED_LOADING
+        if not self._serve_loaded(kind, value, node):
+            return Outcome.FAILED
+        return self._poll()
 
-    def _left_down(self, crashes: int) -> None:
+    def _restart_wait(self, crashes: int, served_s: float) -> float:
+        # Ray restarts the actor itself: this only paces the asks while it cannot load.
+        return 0.5 * crashes
+
+    def _left_down(self) -> None:
         import ray
 
-        self._error = (f"the Ray actor died while loading {crashes} times in a row "
-                       f"({self._error}); left down")
-        self._set_state(EngineState.FAILED)
-        log.error("%s replica %d: %s", self.model, self.replica_id, self._error)
         ray.kill(self._actor, no_restart=True)
 
     def _serve_loaded(self, kind: str, value: Any, node: str) -> bool:
@@ -166,7 +161,7 @@ class RayEngineClient(RemoteEngineClient):
         self._ready.set()
         return True
 
-    def _poll(self) -> None:
+    def _poll(self) -> Outcome:
         """Deliver the actor's messages until it dies or the replica stops."""
         import ray
         import ray.exceptions
@@ -178,7 +173,7 @@ class RayEngineClient(RemoteEngineClient):
         except ray.exceptions.RayActorError as e:
             if self._stopping.is_set():
                 self._lose_all(f"{self.model} replica {self.replica_id} stopped")
-                return
+                return Outcome.STOPPED
             why = (f"the Ray actor of {self.model} replica {self.replica_id} died "
                    f"({_short(e)}); retry")
             self._error = why
@@ -186,6 +181,8 @@ class RayEngineClient(RemoteEngineClient):
             self._lose_all(why)
             self.restarts += 1
             log.error("%s", why)
+            return Outcome.DIED
+        return Outcome.STOPPED
 
 
 def _short(error: BaseException) -> str:

@@ -2,13 +2,13 @@
 (:mod:`laya_core.replica.worker_client`) or a Ray actor (:mod:`laya_core.replica.ray_client`).
 
 :class:`RemoteEngineClient` is an :class:`~laya_core.replica.client.EngineClient` whose engine runs
-elsewhere and speaks :mod:`laya_core.replica.worker`'s protocol. It keeps the request table, checks
+elsewhere and speaks :mod:`laya_core.replica.protocol`. It keeps the request table, checks
 a request as the engine would before sending it, turns acks, refusals and each step's
 events into the streams' events (one ``call_soon_threadsafe`` per event loop and message),
 and ends every request at once when the replica is lost. A subclass supplies ``_send``
 (False when the message cannot leave; it must never wait on the replica, since the event
-loop calls it: a stopped replica stops reading), a ``_supervise`` loop run on its own
-thread, and ``runtime``.
+loop calls it: a stopped replica stops reading), ``_run_once`` (one run of its child, under
+:func:`laya_core.replica.supervisor.supervise` on a thread of its own), and ``runtime``.
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ from laya_core.replica.client import (
     EngineState,
     EngineUnavailableError,
     ReplicaInfo,
-    ReplicaState,
+    ReplicaSnapshot,
 )
-from laya_core.replica.worker import Loaded, refused
+from laya_core.replica.protocol import Loaded, refused
+from laya_core.replica.supervisor import Outcome, backoff_s, supervise
 from laya_core.structured.spec import ConstraintSpec
 from laya_core.types import FinishReason, SamplingParams, TokenEvent
 
@@ -63,7 +64,7 @@ class RemoteEngineClient(EngineClient):
         self._loaded: Loaded | None = None
         self._info: ReplicaInfo | None = None
         self._tokenizer: Tokenizer | None = None
-        self._snapshot: ReplicaState | None = None
+        self._snapshot: ReplicaSnapshot | None = None
         self._lock = threading.Lock()  # guards _requests and _embeds
         self._requests: dict[int, _Request] = {}
         self._embeds: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
@@ -74,7 +75,9 @@ class RemoteEngineClient(EngineClient):
         self._thread = threading.Thread(target=self._supervise, daemon=True,
                                         name=f"laya-{self.kind}-{config.name}-{replica_id}")
 
-    kind = "remote"  # names the supervising thread
+    kind = "remote"  # names the supervising thread, and the child in the restart log line
+    child = "child"  # the child in errors: "worker process", "Ray actor"
+    restarts_itself = False  # whether the child comes back by itself (Ray: max_restarts)
 
     def start(self) -> None:
         self._thread.start()
@@ -101,19 +104,36 @@ class RemoteEngineClient(EngineClient):
         """Stop the replica and wait for it."""
         raise NotImplementedError
 
+    # -- supervision (laya_core/replica/supervisor.py) ----------------------------------------
+
     def _supervise(self) -> None:
+        supervise(self)
+
+    def _run_once(self) -> Outcome:
+        """Run the child once: start it (or wait for it to load) and serve it until it ends."""
         raise NotImplementedError
+
+    def _restart_wait(self, crashes: int, served_s: float) -> float:
+        """Seconds to wait before the next run; see :func:`~laya_core.replica.supervisor.backoff_s`."""
+        return backoff_s(crashes, served_s)
+
+    def _last_words(self) -> str:
+        """What the error of a replica left down adds after "left down"."""
+        return ""
+
+    def _left_down(self) -> None:
+        """Release what a replica left down still holds."""
 
     def _send(self, message: tuple[Any, ...]) -> bool:
         raise NotImplementedError
 
     # -- EngineClient -----------------------------------------------------------------------
 
-    def state(self) -> ReplicaState:
+    def state(self) -> ReplicaSnapshot:
         snap = self._snapshot
         if snap is None or self._state is not EngineState.READY:
             running = 0 if snap is None else snap.num_running
-            return ReplicaState(
+            return ReplicaSnapshot(
                 model=self.model, replica_id=self.replica_id, state=self._state,
                 error=self._error, num_running=running, num_waiting=0,
                 kv_capacity_tokens=snap.kv_capacity_tokens if snap else 0, kv_used_tokens=0,
@@ -257,14 +277,10 @@ class RemoteEngineClient(EngineClient):
         if self._tokenizer is None:
             tokenizer = self._backend.load_tokenizer()
             if tokenizer is None:
-                raise RuntimeError(f"the {loaded.backend_name} backend cannot load its "
+                raise RuntimeError(f"the {loaded.info.backend_name} backend cannot load its "
                                    "tokenizer apart from its weights")
             self._tokenizer = tokenizer
-        self._info = ReplicaInfo(
-            model=self.model, replica_id=self.replica_id, backend_name=loaded.backend_name,
-            max_seq_len=loaded.max_seq_len, max_queue=loaded.max_queue,
-            supports_prompt_logprobs=loaded.supports_prompt_logprobs,
-            model_info=loaded.model_info, backend_embeds=loaded.backend_embeds)
+        self._info = loaded.info
         if self._on_loaded is not None:
             self._on_loaded(self)
 

@@ -1,30 +1,14 @@
-"""A replica in a process of its own: the child side, and the messages both sides send.
+"""A replica in a process of its own: the child side.
 
 ``python -m laya_core.replica.worker FD`` runs one replica's engine. The front end (the HTTP
-server's process, :mod:`laya_core.replica.worker_client`) talks to it over a socket pair with
-:mod:`multiprocessing.connection` (length-prefixed pickles of the plain frozen types that
-already cross the engine's thread boundary). A native crash in the backend ends this
+server's process, :mod:`laya_core.replica.worker_client`) talks to it over a socket pair in
+the messages of :mod:`laya_core.replica.protocol`. A native crash in the backend ends this
 process, not the server.
 
-Front end to worker:
-
-- ``("init", ModelConfig, replica_id, plugin_specs)``, first and once;
-- ``("submit", rid, prompt_token_ids, SamplingParams, ConstraintSpec | None)``;
-- ``("cancel", rid)``, ``("embed", rid, inputs)``, ``("embed_cancel", rid)`` (its caller
-  went away: the engine drops what is left of it, and nothing is sent back), ``("stop",)``.
-
-Worker to front end:
-
-- ``("loaded", Loaded)`` or ``("failed", why)`` once the load ended;
-- ``("ack", rid)`` or ``("refused", rid, kind, message, param)`` for each submit, before
-  any event of that request;
-- ``("events", [(rid, TokenEvent), ...], ReplicaState)``: one message per engine step
-  with every request's events of that step (the engine hands a step's events to the loop
-  in one callback, and the flush runs after it), not a message per token per request;
-- ``("embedded", rid, Embeddings | None, kind, message)``;
-- ``("state", ReplicaState)`` every :data:`STATE_EVERY_S` while nothing else is sent, and
-  ``("beat",)`` likewise while the model loads: the heartbeat, sent by a thread of its own
-  (see :func:`_heartbeat`), by which the front end tells a live worker from a stuck one.
+Each engine step's events leave in one ``("events", ...)`` message (the engine hands a
+step's events to the loop in one callback, and the flush runs after it). The heartbeat is
+sent by a thread of its own (see :func:`_heartbeat`), from this process's start, so that
+the front end tells a live worker from a stuck one even while the model loads.
 
 The constraint of a submit is compiled here, on a worker thread of this process, never on
 the engine thread. When the front end goes away (its end of the socket closes) the worker
@@ -48,61 +32,13 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-import attrs
-
-from laya_core.backend import ModelConfig, ModelInfo
-from laya_core.engine.embed_jobs import EmbeddingsUnsupportedError
-from laya_core.engine.engine import (
-    Engine,
-    EngineState,
-    EngineUnavailableError,
-    QueueFullError,
-    RequestTooLongError,
-)
-from laya_core.replica.client import LocalEngineClient, ReplicaState
-from laya_core.structured.spec import GrammarError
+from laya_core.backend import ModelConfig
+from laya_core.engine.engine import Engine, EngineState, EngineUnavailableError, QueueFullError
+from laya_core.replica.client import LocalEngineClient, ReplicaSnapshot, info_of
+from laya_core.replica.protocol import STATE_EVERY_S, Loaded, refusal_of
 from laya_core.types import TokenEvent
 
-STATE_EVERY_S = 0.25
 log = logging.getLogger("laya.worker")
-
-
-# A refusal crosses as its kind; each side reads this one table. An error is the first
-# class it is an instance of (GrammarError and EmbeddingsUnsupportedError before their
-# base, ValueError). Anything else is the replica's failure: kind "error", a RuntimeError.
-REFUSALS: tuple[tuple[str, type[Exception]], ...] = (
-    ("grammar", GrammarError), ("too_long", RequestTooLongError),
-    ("queue_full", QueueFullError), ("unavailable", EngineUnavailableError),
-    ("unsupported", EmbeddingsUnsupportedError), ("value", ValueError))
-
-
-def refusal_of(error: Exception) -> tuple[str, str, str | None]:
-    """``(kind, message, param)`` of an error, to send to the front end."""
-    kind = next((k for k, cls in REFUSALS if isinstance(error, cls)), "error")
-    return kind, str(error), getattr(error, "param", None)
-
-
-def refused(kind: str, message: str, param: str | None) -> Exception:
-    """The front end's error for a refusal the replica sent."""
-    if kind == "grammar":
-        return GrammarError(param or "", message)
-    return dict(REFUSALS).get(kind, RuntimeError)(message)
-
-
-@attrs.frozen
-class Loaded:
-    """What the front end learns of a replica once it has loaded."""
-
-    backend_name: str
-    max_seq_len: int
-    max_queue: int
-    supports_prompt_logprobs: bool
-    supports_embeddings: bool
-    backend_embeds: bool
-    model_info: ModelInfo
-    runtime: dict[str, Any]
-    state: ReplicaState
-    pid: int
 
 
 def import_plugins(specs: list[str]) -> list[object]:
@@ -122,7 +58,7 @@ class _Link:
         self._lock = threading.Lock()
         self.last_sent = time.monotonic()
         # Once "loaded" has been sent, beats carry the replica's state.
-        self.state: Callable[[], ReplicaState] | None = None
+        self.state: Callable[[], ReplicaSnapshot] | None = None
 
     def send(self, message: tuple[Any, ...]) -> None:
         with self._lock:
@@ -290,14 +226,10 @@ def build_engine(config: ModelConfig, replica_id: int, plugins: list[str]) -> En
 
 
 def loaded_of(engine: Engine) -> Loaded:
-    assert engine.info is not None
+    """The ``("loaded", ...)`` message's body for a loaded engine."""
     return Loaded(
-        backend_name=engine.backend.name, max_seq_len=engine.max_seq_len,
-        max_queue=engine.config.max_queue,
-        supports_prompt_logprobs=engine.backend.supports_prompt_logprobs,
+        info=info_of(engine),
         supports_embeddings=engine.backend.supports_embeddings and engine.config.embeddings,
-        backend_embeds=engine.backend.supports_embeddings,
-        model_info=engine.info,
         runtime=engine.runtime(), state=LocalEngineClient(engine).state(), pid=os.getpid())
 
 
@@ -335,8 +267,4 @@ def main(fd: int) -> int:
 
 
 if __name__ == "__main__":
-    # Run the imported module's main, not this __main__ copy's: the classes pickled to the
-    # front end (Loaded) must be laya_core.replica.worker's.
-    from laya_core.replica import worker
-
-    sys.exit(worker.main(int(sys.argv[1])))
+    sys.exit(main(int(sys.argv[1])))

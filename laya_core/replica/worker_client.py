@@ -1,7 +1,7 @@
 """The front end's side of a replica in a worker process: spawn, talk, supervise, restart.
 
 :class:`WorkerEngineClient` is an :class:`~laya_core.replica.client.EngineClient` whose engine runs
-in ``python -m laya_core.replica.worker`` (the protocol is in :mod:`laya_core.replica.worker`). A thread per
+in ``python -m laya_core.replica.worker`` (the messages are :mod:`laya_core.replica.protocol`'s). A thread per
 replica supervises it: it starts the process, reads its messages (a step's events come in
 one message and reach each event loop in one ``call_soon_threadsafe``), and when the
 process dies (``kill -9``, a native crash) it ends that replica's requests at once with an
@@ -9,11 +9,10 @@ error that says so (the HTTP side answers 503 with Retry-After, or an error even
 stream), marks the replica down in the router (``on_change``), and starts it again after
 a backoff. A worker that stops answering (``SIGSTOP``, a wedged process: no step and no
 heartbeat for ``silence_s``) is killed and then handled as one that died
-(:mod:`laya_core.replica.worker_link`, which also keeps sends from ever waiting on the socket). A
-worker that dies while loading :data:`MAX_LOAD_CRASHES` times in a row is left
-down, FAILED, with its last output in the error. One that fails to load with a Python
-error (a bad file, an option the backend refuses) fails at once, as an in-process replica
-does: a restart would fail the same way.
+(:mod:`laya_core.replica.worker_link`, which also keeps sends from ever waiting on the socket).
+When to restart it, and when to leave it down (it died while loading
+:data:`~laya_core.replica.supervisor.MAX_LOAD_CRASHES` times in a row: FAILED, with its last
+output in the error) is :mod:`laya_core.replica.supervisor`'s, shared with the Ray actor.
 
 The tokenizer stays in the front end (``Backend.load_tokenizer``: the vocabulary without
 the weights), so prompts are tokenized on the HTTP side's worker threads as before, and
@@ -29,7 +28,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
@@ -39,13 +37,10 @@ from laya_core.cli.logs import resident_bytes
 from laya_core.replica.child_exit import describe_exit
 from laya_core.replica.client import EngineState
 from laya_core.replica.remote import RemoteEngineClient
+from laya_core.replica.supervisor import Outcome
 from laya_core.replica.worker_link import DEFAULT_SILENCE_S, WorkerLink
 
 log = logging.getLogger(__name__)
-MAX_LOAD_CRASHES = 3
-BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
-# A worker that served this long before it died starts again without waiting.
-STABLE_S = 60.0
 _OUTPUT_LINES = 30
 
 
@@ -57,6 +52,7 @@ class WorkerEngineClient(RemoteEngineClient):
     """One replica in a worker process; see the module docstring."""
 
     kind = "worker"
+    child = "worker process"
 
     def __init__(self, config: ModelConfig, replica_id: int, backend: Backend,
                  plugins: Sequence[str] = (),
@@ -112,40 +108,20 @@ class WorkerEngineClient(RemoteEngineClient):
 
     # -- supervision ------------------------------------------------------------------------
 
-    def _supervise(self) -> None:
-        crashes = 0  # deaths while loading, in a row
-        while not self._stopping.is_set():
-            started = time.monotonic()
-            try:
-                outcome = self._run_once()
-            except Exception as e:  # noqa: BLE001 - a broken exchange is a failed worker
-                log.exception("%s replica %d: its worker failed", self.model, self.replica_id)
-                self._kill()
-                self._link = None
-                self._error = f"its worker process failed: {type(e).__name__}: {e}"
-                self._set_state(EngineState.LOADING)
-                self._lose_all(self._error)
-                outcome = "crashed_loading" if self._info is None else "died"
-            if self._stopping.is_set():
-                break
-            if outcome == "failed":  # a Python-level load error: a restart would repeat it
-                break
-            crashes = crashes + 1 if outcome == "crashed_loading" else 0
-            if crashes >= MAX_LOAD_CRASHES:
-                self._error = (f"the worker process died while loading {crashes} times in "
-                               f"a row ({self._error}); left down. Its last output:\n"
-                               + "\n".join(self.output))
-                self._set_state(EngineState.FAILED)
-                log.error("%s replica %d: %s", self.model, self.replica_id, self._error)
-                break
-            served = time.monotonic() - started
-            wait = 0.0 if served >= STABLE_S else BACKOFF_S[min(crashes, len(BACKOFF_S) - 1)]
-            self.restarts += 1
-            log.warning("%s replica %d: restarting its worker in %.1f s", self.model,
-                        self.replica_id, wait)
-            if self._stopping.wait(wait):
-                break
-        self._ready.set()
+    def _run_once(self) -> Outcome:
+        try:
+            return self._start_and_serve()
+        except Exception as e:  # noqa: BLE001 - a broken exchange is a failed worker
+            log.exception("%s replica %d: its worker failed", self.model, self.replica_id)
+            self._kill()
+            self._link = None
+            self._error = f"its worker process failed: {type(e).__name__}: {e}"
+            self._set_state(EngineState.LOADING)
+            self._lose_all(self._error)
+            return Outcome.CRASHED_LOADING if self._info is None else Outcome.DIED
+
+    def _last_words(self) -> str:
+        return ". Its last output:\n" + "\n".join(self.output)
 
     def _kill(self) -> None:
         proc = self._proc
@@ -153,9 +129,8 @@ class WorkerEngineClient(RemoteEngineClient):
             proc.kill()
             proc.wait(5)
 
-    def _run_once(self) -> str:
-        """Start the worker and serve it until it ends: "failed" (its load raised),
-        "crashed_loading", "died" (after it had loaded) or "stopped"."""
+    def _start_and_serve(self) -> Outcome:
+        """Start the worker and serve it until it ends."""
         front, back = socket.socketpair()
         env = dict(os.environ)
         proc = subprocess.Popen(
@@ -173,8 +148,8 @@ class WorkerEngineClient(RemoteEngineClient):
         finally:
             link.close()
 
-    def _serve(self, link: WorkerLink, proc: subprocess.Popen[bytes]) -> str:
-        """Load the worker and dispatch its messages until it ends (see ``_run_once``)."""
+    def _serve(self, link: WorkerLink, proc: subprocess.Popen[bytes]) -> Outcome:
+        """Load the worker and dispatch its messages until it ends."""
         try:
             link.send(("init", self.config, self.replica_id, self._plugins))
             first = link.recv()
@@ -184,12 +159,12 @@ class WorkerEngineClient(RemoteEngineClient):
             code = proc.wait()
             self._error = f"its worker process {link.stuck or _died(code)} while loading"
             self._set_state(EngineState.LOADING)
-            return "crashed_loading"
+            return Outcome.CRASHED_LOADING
         if first[0] == "failed":
             self._error = first[1]
             self._set_state(EngineState.FAILED)
             proc.wait()
-            return "failed"
+            return Outcome.FAILED
         self._loaded = loaded = first[1]
         try:
             self._front_loaded(loaded)
@@ -198,7 +173,7 @@ class WorkerEngineClient(RemoteEngineClient):
             self._set_state(EngineState.FAILED)
             link.close()  # the worker stops when its socket closes
             proc.wait()
-            return "failed"
+            return Outcome.FAILED
         self._link = link
         self._snapshot = loaded.state
         self._error = None
@@ -214,14 +189,14 @@ class WorkerEngineClient(RemoteEngineClient):
         code = proc.wait()
         if self._stopping.is_set():
             self._lose_all(f"{self.model} replica {self.replica_id} stopped")
-            return "stopped"
+            return Outcome.STOPPED
         why = (f"the worker process of {self.model} replica {self.replica_id} "
                f"{link.stuck or _died(code)}; retry")
         self._error = why
         self._set_state(EngineState.LOADING)
         self._lose_all(why)
         log.error("%s", why)
-        return "died"
+        return Outcome.DIED
 
     def _relay_output(self, proc: subprocess.Popen[bytes]) -> None:
         """The worker's stderr to this process's, line by line, keeping the last lines."""

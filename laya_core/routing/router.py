@@ -42,6 +42,10 @@ V = TypeVar("V")
 
 
 class ReplicaState(enum.IntEnum):
+    """Whether the router sends a replica new requests; part of the router plugins' contract
+    (the C++ router takes the same values). A replica's counters are another type,
+    :class:`~laya_core.replica.client.ReplicaSnapshot`."""
+
     UP = 0
     DRAINING = 1  # finishes what it has, takes nothing new
     DOWN = 2

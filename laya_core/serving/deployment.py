@@ -17,7 +17,7 @@ from laya_core.plugins import Registry
 from laya_core.replica.client import EngineClient, LocalEngineClient
 from laya_core.replica.remote import RemoteEngineClient
 from laya_core.replica.worker_client import WorkerEngineClient
-from laya_core.routing.router import ReplicaState as RouterReplicaState
+from laya_core.routing.router import ReplicaState
 from laya_core.routing.router import Router
 from laya_core.serving.chat_prompt import chat_prompt_ids
 from laya_core.serving.chat_template import TemplateError, TemplateRefusal
@@ -153,7 +153,7 @@ class Deployment:
         replicas that are up."""
         up = worker.state().state is EngineState.READY
         self.router.set_state(worker.replica_id,
-                              RouterReplicaState.UP if up else RouterReplicaState.DOWN)
+                              ReplicaState.UP if up else ReplicaState.DOWN)
 
     def model(self, name: str) -> ModelConfig:
         try:

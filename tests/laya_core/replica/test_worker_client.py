@@ -17,7 +17,7 @@ from laya_core.config import manifest as mf
 from laya_core.engine.embed_jobs import EmbeddingsUnsupportedError
 from laya_core.plugins import load_registry
 from laya_core.replica.client import EngineState, GrammarError, QueueFullError, RequestTooLongError
-from laya_core.replica.worker_client import MAX_LOAD_CRASHES
+from laya_core.replica.supervisor import MAX_LOAD_CRASHES
 from laya_core.serving.deployment import Deployment
 from laya_core.structured import formats
 from laya_core.types import FinishReason, SamplingParams
@@ -149,7 +149,7 @@ def test_a_killed_worker_ends_its_requests_and_comes_back(toy: Deployment) -> No
 
 def test_a_worker_that_crashes_at_every_load_is_left_down(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("laya_core.replica.worker_client.BACKOFF_S", (0.05,))
+    monkeypatch.setattr("laya_core.replica.supervisor.BACKOFF_S", (0.05,))
     d = deployment(monkeypatch, crash_load=True)
     try:
         assert not d.wait_ready(60)
