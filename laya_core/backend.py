@@ -22,7 +22,6 @@ from laya_core.types import Sample, SamplingParams
 if TYPE_CHECKING:
     from laya_core.engine.allowed_tokens import AllowedTokens
     from laya_core.engine.embed_jobs import EmbedPlan
-    from laya_core.memory.ledger import MemoryProfile
     from laya_core.models.files import ModelShape
 
 
@@ -53,6 +52,30 @@ class ModelConfig:
 
 
 @attrs.frozen
+class Overhead:
+    """One line of a replica's memory beyond its weights and KV pool."""
+
+    name: str
+    bytes: int
+    how: str  # how the number was obtained
+    # What the replicas of one process share, such as a backend library's code: a key, and
+    # the plan counts the overheads under one key once (the largest). None: per replica.
+    shared: str | None = None
+
+
+@attrs.frozen
+class MemoryProfile:
+    """What one replica of a model costs, as its backend reports it (``memory_profile``);
+    the memory ledger (``laya_core/memory/ledger.py``) sums it against the budget."""
+
+    weights_bytes: int
+    weights_source: str
+    kv_bytes_per_token: int
+    kv_dtype: str
+    overheads: tuple[Overhead, ...]
+
+
+@attrs.frozen
 class ModelInfo:
     """What the core needs to know about a loaded model."""
 
@@ -77,7 +100,7 @@ class StepItem:
     that follows ``tokens[j]``, to be scored under the model's distribution at row ``j``
     (its log-probability, its rank and the ``score_top`` likeliest tokens). It holds one
     target per fed token, or one fewer where the last row samples instead. The scheduler
-    keeps the scored rows of a step within ``memory_plan.scored_tokens_per_step``, so the
+    keeps the scored rows of a step within ``memory.ledger.scored_tokens_per_step``, so the
     logits they need are in the memory plan.
 
     ``allowed_tokens`` (only where ``sample``; None: no constraint) is the set the sampled
@@ -175,7 +198,7 @@ class Backend(abc.ABC):
         generic compute buffer (one step's logits and activations, float32); backends that
         know their allocator better override this.
         """
-        from laya_core.memory.ledger import MemoryProfile, Overhead, kv_bytes_per_token
+        from laya_core.kv.dtypes import kv_bytes_per_token
 
         step = config.max_step_tokens
         compute = step * (shape.vocab_size + 4 * shape.hidden_size) * 4

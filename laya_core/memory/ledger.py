@@ -6,13 +6,11 @@ refuses to start when it does not fit and says which settings would.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import attrs
 
-from laya_core.backend import ModelConfig
-from laya_core.kv.dtypes import KV_DTYPES
+from laya_core.backend import MemoryProfile, ModelConfig
 from laya_core.memory.budget import Budget
 from laya_core.models.files import ModelShape
 
@@ -48,35 +46,6 @@ MAX_SCORED_TOKENS_PER_STEP = 128
 def scored_tokens_per_step(max_step_tokens: int) -> int:
     """How many prompt positions with logits one step of this size may hold."""
     return min(max_step_tokens, MAX_SCORED_TOKENS_PER_STEP)
-
-
-def kv_bytes_per_token(shape: ModelShape, dtype: str) -> int:
-    """2 (K and V) x layers x kv_heads x head_dim x bytes, with quantized rows rounded up."""
-    block, size = KV_DTYPES[dtype]
-    k_row = math.ceil(shape.n_kv_heads * shape.head_dim_k / block) * size
-    v_row = math.ceil(shape.n_kv_heads * shape.head_dim_v / block) * size
-    return shape.n_layers * (k_row + v_row)
-
-
-@attrs.frozen
-class Overhead:
-    name: str
-    bytes: int
-    how: str  # how the number was obtained
-    # What the replicas of one process share, such as a backend library's code: a key, and
-    # the plan counts the overheads under one key once (the largest). None: per replica.
-    shared: str | None = None
-
-
-@attrs.frozen
-class MemoryProfile:
-    """What one replica of a model costs, as its backend reports it."""
-
-    weights_bytes: int
-    weights_source: str
-    kv_bytes_per_token: int
-    kv_dtype: str
-    overheads: tuple[Overhead, ...]
 
 
 @attrs.frozen

@@ -7,19 +7,17 @@ from typing import Any
 
 import attrs
 
-from laya_core.backend import Backend, ModelConfig
+from laya_core.backend import Backend, MemoryProfile, ModelConfig, Overhead
 from laya_core.config.manifest import Manifest
 from laya_core.config.table import Problems
+from laya_core.kv.dtypes import KV_DTYPES
 from laya_core.memory import budget as budget_mod
 from laya_core.memory.ledger import (
     FRONT_TOKENIZER_BYTES_PER_TOKEN,
     GRAMMAR_CHILD_BYTES,
     GRAMMAR_VOCAB_BYTES_PER_TOKEN,
-    KV_DTYPES,
     RUNTIME_OVERHEAD_BYTES,
     WORKER_PROCESS_BYTES,
-    MemoryProfile,
-    Overhead,
     Plan,
     ReplicaLedger,
     decide_sizes,

@@ -139,8 +139,7 @@ def test_hooks_are_called_through_pluggy_so_wrappers_see_each_call() -> None:
 
 
 def test_one_list_of_kv_dtypes() -> None:
-    from laya_core.kv.dtypes import KV_DTYPE_NAMES, KV_DTYPES
-    from laya_core.memory.ledger import kv_bytes_per_token
+    from laya_core.kv.dtypes import KV_DTYPE_NAMES, KV_DTYPES, kv_bytes_per_token
 
     assert mf.KV_CACHE_DTYPES == KV_DTYPE_NAMES == tuple(KV_DTYPES)
     registry = load_registry()

@@ -34,12 +34,18 @@ from laya_backend_llamacpp.tokenizer import (
     special_texts,
     token_text,
 )
-from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem, StepResult
+from laya_core.backend import (
+    Backend,
+    MemoryProfile,
+    ModelConfig,
+    ModelInfo,
+    StepItem,
+    StepResult,
+)
 from laya_core.engine.allowed_tokens import NO_TOKEN_ALLOWED
 from laya_core.engine.embed_jobs import DEFAULT_POOLING, EmbedPlan, embed_whole
 from laya_core.engine.threads import ThreadGovernor
 from laya_core.kv.dtypes import KV_DTYPE_NAMES
-from laya_core.memory.ledger import MemoryProfile
 from laya_core.models.files import ModelShape, read_shape
 from laya_core.types import Sample, SamplingParams
 

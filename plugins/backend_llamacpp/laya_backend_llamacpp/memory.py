@@ -5,13 +5,9 @@ from __future__ import annotations
 
 import math
 
-from laya_core.backend import ModelConfig
-from laya_core.memory.ledger import (
-    MemoryProfile,
-    Overhead,
-    kv_bytes_per_token,
-    scored_tokens_per_step,
-)
+from laya_core.backend import MemoryProfile, ModelConfig, Overhead
+from laya_core.kv.dtypes import kv_bytes_per_token
+from laya_core.memory.ledger import scored_tokens_per_step
 from laya_core.models.files import ModelShape
 
 _KV_CELL_ALIGN = 256  # llama.cpp pads each KV stream to this many cells

@@ -14,10 +14,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from laya_backend_torch import memory, options
-from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem, StepResult
+from laya_core.backend import (
+    Backend,
+    MemoryProfile,
+    ModelConfig,
+    ModelInfo,
+    StepItem,
+    StepResult,
+)
 from laya_core.engine.embed_jobs import DEFAULT_POOLING, EmbedPlan, embed_whole, pooled_rows
 from laya_core.engine.threads import ThreadGovernor
-from laya_core.memory.ledger import MemoryProfile
 from laya_core.models.files import ModelShape, read_shape
 from laya_core.types import Sample, SamplingParams
 

@@ -23,13 +23,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from laya_backend_torch.options import INT4_GROUP
-from laya_core.backend import ModelConfig
-from laya_core.memory.ledger import (
-    MemoryProfile,
-    Overhead,
-    kv_bytes_per_token,
-    scored_tokens_per_step,
-)
+from laya_core.backend import MemoryProfile, ModelConfig, Overhead
+from laya_core.kv.dtypes import kv_bytes_per_token
+from laya_core.memory.ledger import scored_tokens_per_step
 from laya_core.models.files import ModelShape
 
 if TYPE_CHECKING:

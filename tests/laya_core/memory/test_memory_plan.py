@@ -10,9 +10,9 @@ import pytest
 
 from laya_core.builtin.model_paths import embedded_file
 from laya_core.config import manifest as mf
+from laya_core.kv.dtypes import kv_bytes_per_token
 from laya_core.memory import budget as budget_mod
 from laya_core.memory import planner
-from laya_core.memory.ledger import kv_bytes_per_token
 from laya_core.models.files import ModelFileError, read_shape
 from laya_core.plugins import load_registry
 
