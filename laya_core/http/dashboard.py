@@ -145,14 +145,15 @@ def snapshot(d: Deployment, window: LatencyWindow) -> dict[str, Any]:
     """What the page shows, now: per model and replica the ledger, measured RSS, KV blocks,
     prefix-cache hits, queues and rejections; per model the latency window."""
     ledgers = {r.replica: r for r in d.plan.replicas} if d.plan else {}
-    states = [client.state() for client in d.clients]
+    snap = d.snapshot()
+    states = [s for _, s in snap.replicas]
     generated = {name: sum(s.generated_tokens for s in states if s.model == name)
                  for name in d.models}
     models: dict[str, dict[str, Any]] = {
-        name: {"name": name, "replicas": [], "rejections": {},
+        name: {"name": name, "replicas": [], "rejections": snap.rejections_of(name),
                "latency": window.summary(name, generated[name])}
         for name in d.models}
-    for client, s in zip(d.clients, states, strict=True):
+    for client, s in snap.replicas:
         model = models[s.model]
         # A worker process's RSS is its own; a replica on a thread of the front end has
         # none of its own (the front end's, under "memory", holds it).
@@ -173,16 +174,11 @@ def snapshot(d: Deployment, window: LatencyWindow) -> dict[str, Any]:
                              "hit_tokens": s.prefix_tokens_reused},
             "running": s.num_running, "waiting": s.num_waiting,
             "rejections": dict(s.rejections)})
-        for reason, count in s.rejections.items():
-            model["rejections"][reason] = model["rejections"].get(reason, 0) + count
-    for (name, reason), count in d.rejections.items():
-        if name in models:
-            models[name]["rejections"][reason] = models[name]["rejections"].get(reason, 0) + count
     memory = None
     if d.plan is not None:
         memory = {"budget_bytes": d.plan.budget.bytes, "budget_source": d.plan.budget.source,
                   "planned_bytes": d.plan.total_bytes, "runtime_bytes": d.plan.runtime_bytes}
-    return {"time": time.time(), "poll_interval_ms": POLL_INTERVAL_MS, "ready": d.ready,
+    return {"time": time.time(), "poll_interval_ms": POLL_INTERVAL_MS, "ready": snap.ready,
             "front_end_rss_bytes": resident_bytes(), "memory": memory,
             "models": list(models.values())}
 

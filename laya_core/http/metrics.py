@@ -58,8 +58,8 @@ class DeploymentCollector:
         restarts = CounterMetricFamily("laya:replica_restarts",
                                        "Times the replica's worker process was started again "
                                        "after it died or was killed as stuck.", labels=_LABELS)
-        for client in d.clients:
-            e = client.state()
+        snap = d.snapshot()
+        for client, e in snap.replicas:
             labels = [e.model, str(e.replica_id)]
             up.add_metric(labels, 1 if e.ready else 0)
             restarts.add_metric(labels, getattr(client, "restarts", 0))
@@ -77,8 +77,9 @@ class DeploymentCollector:
                 success.add_metric([*labels, _FINISHED_REASON[end]], count)
             for reason, count in e.rejections.items():
                 rejected.add_metric([*labels, reason], count)
-        for (model, reason), count in d.rejections.items():
-            rejected.add_metric([model, "", reason], count)
+        for model, counts in snap.front_rejections.items():
+            for reason, count in counts.items():
+                rejected.add_metric([model, "", reason], count)
         yield from (running, waiting, usage, gpu_usage, used, capacity, cached, queries, hits,
                     hit_seqs, success, rejected, up, restarts)
         yield from _sandbox(d)

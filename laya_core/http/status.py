@@ -9,9 +9,9 @@ from laya_core.serving.deployment import Deployment
 
 def deployment_status(d: Deployment) -> dict[str, Any]:
     ledgers = {r.replica: r for r in d.plan.replicas} if d.plan else {}
+    snap = d.snapshot()
     replicas = []
-    for client in d.clients:
-        s = client.state()
+    for client, s in snap.replicas:
         ledger = ledgers.get(s.replica_id)
         per_token = ledger.profile.kv_bytes_per_token if ledger else 0
         replicas.append({
@@ -32,8 +32,6 @@ def deployment_status(d: Deployment) -> dict[str, Any]:
     if d.plan is not None:
         memory = {"budget_bytes": d.plan.budget.bytes, "budget_source": d.plan.budget.source,
                   "planned_bytes": d.plan.total_bytes}
-    rejections: dict[str, dict[str, int]] = {}
-    for (model, reason), count in d.rejections.items():
-        rejections.setdefault(model, {})[reason] = count
+    rejections = {model: dict(counts) for model, counts in snap.front_rejections.items()}
     return {"replicas": replicas, "memory": memory, "rejections": rejections,
             "template_sandbox": d.templates.status()}

@@ -189,6 +189,11 @@ class LocalEngineClient(EngineClient):
             self._info = info_of(e)
         return self._info
 
+    @property
+    def engine(self) -> Engine:
+        """The engine this client runs in this process."""
+        return self._engine
+
     def tokenizer(self) -> Tokenizer:
         self.info()  # raises until loaded
         assert self._engine.tokenizer is not None

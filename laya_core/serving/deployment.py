@@ -1,4 +1,11 @@
-"""A running deployment: the engines of every model replica and the router in front of them."""
+"""A running deployment: the engines of every model replica and the router in front of them.
+
+Its jobs are the replicas' lifecycle (start, wait, stop, the router's view of who is up) and
+one snapshot of their state for /ready, /live and /metrics. Which transport carries a
+replica is :mod:`laya_core.replica.factory`'s; chat prompts and the template test render
+are :mod:`laya_core.serving.prompts`'; the line a loaded replica logs is
+:mod:`laya_core.serving.load_log`'s.
+"""
 
 from __future__ import annotations
 
@@ -8,32 +15,21 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from laya_core.backend import Backend, ModelConfig, ModelInfo
+import attrs
+
+from laya_core.backend import ModelConfig, ModelInfo
 from laya_core.cli.logs import resident_bytes
 from laya_core.config.manifest import Manifest
 from laya_core.engine.engine import Engine, EngineState
 from laya_core.memory.ledger import Plan
 from laya_core.plugins import Registry
-from laya_core.replica.client import EngineClient, LocalEngineClient
+from laya_core.replica.client import EngineClient, LocalEngineClient, ReplicaSnapshot
+from laya_core.replica.factory import Transports, replica_client
 from laya_core.replica.remote import RemoteEngineClient
-from laya_core.replica.worker_client import WorkerEngineClient
-from laya_core.routing.router import ReplicaState
-from laya_core.routing.router import Router
-from laya_core.serving.chat_prompt import chat_prompt_ids
-from laya_core.serving.chat_template import TemplateError, TemplateRefusal
-from laya_core.serving.template_sandbox import TemplateSandbox
-from laya_core.structured.tools import ToolUse, prompt_messages
-from laya_core.units import fmt_bytes
-
-# Conversations a model's chat template must render at load: the first it accepts passes.
-# Some templates refuse a system turn or a leading assistant on purpose (raise_exception).
-PROBES: tuple[tuple[dict[str, str], ...], ...] = (
-    ({"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hi."},
-     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye."}),
-    ({"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."},
-     {"role": "user", "content": "Bye."}),
-    ({"role": "user", "content": "Hi."},),
-)
+from laya_core.routing.router import ReplicaState, Router
+from laya_core.serving.load_log import log_loaded
+from laya_core.serving.prompts import ChatPrompts
+from laya_core.structured.tools import ToolUse
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +44,31 @@ class ModelUnavailableError(RuntimeError):
     def __init__(self, message: str, failed: bool) -> None:
         super().__init__(message)
         self.failed = failed
+
+
+@attrs.frozen
+class DeploymentSnapshot:
+    """Every replica's state at one moment and the requests refused before any replica
+    saw them: what /ready, /live and /metrics each show their way."""
+
+    replicas: tuple[tuple[EngineClient, ReplicaSnapshot], ...]  # in replica id order
+    # Refused by the front end (model -> reason -> count), e.g. too_long: no replica's.
+    front_rejections: Mapping[str, Mapping[str, int]]
+
+    @property
+    def ready(self) -> bool:
+        return all(s.ready for _, s in self.replicas)
+
+    def rejections_of(self, model: str) -> dict[str, int]:
+        """All of a model's refusals by reason: its replicas' and the front end's."""
+        out: dict[str, int] = {}
+        for _, s in self.replicas:
+            if s.model == model:
+                for reason, count in s.rejections.items():
+                    out[reason] = out.get(reason, 0) + count
+        for reason, count in self.front_rejections.get(model, {}).items():
+            out[reason] = out.get(reason, 0) + count
+        return out
 
 
 class Deployment:
@@ -76,45 +97,27 @@ class Deployment:
         # What the HTTP side uses, one per replica, by replica id (the router's choice).
         self.clients: list[EngineClient] = []
         self.models: dict[str, ModelConfig] = {}
-        self.templates = TemplateSandbox()
+        self.prompts = ChatPrompts()
+        self.templates = self.prompts.sandbox
         self.started_at: float | None = None  # time.monotonic() when the loads began
-        engine_kind = manifest.cluster.engine
-        self.processes = engine_kind in ("process", "ray") or (engine_kind == "auto"
-                                                                and processes)
-        if engine_kind == "ray":  # only then is Ray imported
-            from laya_core.replica import ray_client
-
-            ray_client.connect(manifest.cluster.address)
-        planned = {r.replica: r.total_bytes for r in plan.replicas} if plan else {}
+        cluster = manifest.cluster
+        transports = Transports(
+            cluster.engine, processes, cluster.address, cluster.worker_timeout_s,
+            worker_plugins, {r.replica: r.total_bytes for r in plan.replicas} if plan else {})
+        self.processes = transports.apart
+        transports.connect()  # Ray's cluster, where replicas run there
         for config in manifest.models:
             self.models[config.name] = config
-            backend_cls = registry.backends[config.backend].obj
-            scheduler_cls = registry.schedulers[config.scheduler].obj
-            cache_cls = registry.cache_policy_for(config.backend, config.cache_policy)
-            in_worker = self.processes and backend_cls.load_tokenizer is not Backend.load_tokenizer
-            if self.processes and not in_worker:
-                log.info("%s: the %s backend cannot load its tokenizer apart from its weights, "
-                         "so its replicas run in this process", config.name, config.backend)
+            apart = transports.runs_apart(config, registry.backends[config.backend].obj)
             for _ in range(config.replicas):
                 replica = len(self.clients)
-                client: EngineClient
-                if in_worker and engine_kind == "ray":
-                    client = ray_client.RayEngineClient(
-                        config, replica, backend_cls(config), worker_plugins,
-                        planned.get(replica), on_change=self._changed,
-                        on_loaded=self._worker_loaded)
-                    self.workers.append(client)
-                elif in_worker:
-                    client = WorkerEngineClient(
-                        config, replica, backend_cls(config), worker_plugins,
-                        on_change=self._changed, on_loaded=self._worker_loaded,
-                        silence_s=manifest.cluster.worker_timeout_s)
-                    self.workers.append(client)
+                client = replica_client(config, replica, registry, transports, apart,
+                                        self._changed, self._worker_loaded, self._loaded)
+                if isinstance(client, LocalEngineClient):
+                    self.engines.append(client.engine)
                 else:
-                    engine = Engine(config, backend_cls(config), scheduler_cls, cache_cls,
-                                    replica_id=replica, on_loaded=self._loaded)
-                    self.engines.append(engine)
-                    client = LocalEngineClient(engine)
+                    assert isinstance(client, RemoteEngineClient)
+                    self.workers.append(client)
                 self.clients.append(client)
                 self.router.add_replica(config.name, replica)
             self.router.set_policy(config.name, config.routing)
@@ -146,7 +149,7 @@ class Deployment:
             engine.stop()
         for worker in self.workers:
             worker.stop()
-        self.templates.close()
+        self.prompts.close()
 
     def _changed(self, worker: RemoteEngineClient) -> None:
         """A worker's state changed (on its supervisor's thread): the router routes only to
@@ -154,6 +157,13 @@ class Deployment:
         up = worker.state().state is EngineState.READY
         self.router.set_state(worker.replica_id,
                               ReplicaState.UP if up else ReplicaState.DOWN)
+
+    def snapshot(self) -> DeploymentSnapshot:
+        """Every replica's state now, and the front end's refusals (one read of each)."""
+        front: dict[str, dict[str, int]] = {}
+        for (model, reason), count in self.rejections.items():
+            front.setdefault(model, {})[reason] = count
+        return DeploymentSnapshot(tuple((c, c.state()) for c in self.clients), front)
 
     def model(self, name: str) -> ModelConfig:
         try:
@@ -193,83 +203,34 @@ class Deployment:
     def render_chat(self, info: ModelInfo, messages: Sequence[Mapping[str, Any]],
                     add_generation_prompt: bool = True,
                     tools: Sequence[Any] | None = None) -> str:
-        """The model's chat template applied to ``messages``, in the sandbox. Blocks for
-        up to the sandbox's time limit: call it from a worker thread."""
-        return self.templates.render(info.chat_template, info.bos_token, info.eos_token,
-                                     messages, add_generation_prompt, tools)
+        """The model's chat template applied to ``messages`` (see :class:`ChatPrompts`)."""
+        return self.prompts.render(info, messages, add_generation_prompt, tools)
 
     def chat_prompt(self, client: EngineClient, messages: Sequence[Mapping[str, Any]],
                     add_generation_prompt: bool = True, add_special: bool = True,
                     tools: ToolUse | None = None) -> list[int]:
-        """Token ids of a chat: the template's markup as special tokens, the messages'
-        content as text; tools and tool calls as the template renders them, else in the
-        generic format (laya_core/structured/tools.py). Blocking (rendering and
-        tokenizing): call it from a worker thread."""
-        info = client.info().model_info
-        tokenizer = client.tokenizer()
-        messages, tool_list = prompt_messages(messages, tools, info.chat_template)
-        return chat_prompt_ids(
-            messages, lambda m: self.render_chat(info, m, add_generation_prompt, tool_list),
-            tokenizer.encode, tokenizer.special_tokens, add_special)
+        """Token ids of a chat (see :meth:`ChatPrompts.prompt_ids`); call it from a worker
+        thread."""
+        return self.prompts.prompt_ids(client, messages, add_generation_prompt, add_special,
+                                       tools)
 
     def _loaded(self, engine: Engine) -> None:
         """On the engine's thread, once its model has loaded: test the chat template, then
         log how long the load took, its planned memory and how the backend runs
         (Backend.describe)."""
         assert engine.info is not None
-        self._probe_template(engine.info)
+        self.prompts.probe(engine.info)
         self._log_loaded(engine.config.name, engine.replica_id, engine.kv_capacity_tokens,
                          engine.runtime(), resident_bytes())
 
     def _worker_loaded(self, worker: RemoteEngineClient) -> None:
         """On the worker's supervisor thread, each time its process has loaded."""
-        self._probe_template(worker.info().model_info)
+        self.prompts.probe(worker.info().model_info)
         self._log_loaded(worker.model, worker.replica_id, worker.state().kv_capacity_tokens,
                          worker.runtime(), worker.resident_bytes())
 
     def _log_loaded(self, name: str, replica: int, kv_tokens: int, runtime: dict[str, Any],
                     rss: int | None) -> None:
-        took = time.monotonic() - (self.started_at or time.monotonic())
-        restarts = runtime.get("restarts", 0)
-        log.info("%s replica %d %s: %s; %s", name, replica,
-                 f"ready in {took:.1f} s" if not restarts else f"back after restart {restarts}",
-                 self._memory_of(replica, kv_tokens, rss),
-                 "; ".join(f"{k} {_plain(v)}" for k, v in runtime.items()) or "-")
-
-    def _memory_of(self, replica: int, kv_tokens: int, rss: int | None) -> str:
-        """The replica's planned bytes (weights, KV pool) and its process's resident set."""
         ledgers = {r.replica: r for r in self.plan.replicas} if self.plan else {}
-        ledger = ledgers.get(replica)
-        parts = [f"KV pool {kv_tokens} tokens"]
-        if ledger is not None:
-            parts = [f"weights {fmt_bytes(ledger.profile.weights_bytes)}",
-                     f"KV pool {fmt_bytes(ledger.kv_pool_bytes)} ({ledger.pool_tokens} tokens)",
-                     f"planned {fmt_bytes(ledger.total_bytes)}"]
-        if rss is not None:
-            parts.append(f"process resident {fmt_bytes(rss)}")
-        return ", ".join(parts)
-
-    def _probe_template(self, info: ModelInfo) -> None:
-        """Refuse a model whose chat template cannot render a plain conversation within the
-        sandbox's bounds; runs once the model has loaded, before it serves."""
-        refusals = []
-        for probe in PROBES:
-            try:
-                self.render_chat(info, probe)
-                return
-            except TemplateRefusal as e:
-                refusals.append(str(e))
-            except TemplateError as e:
-                raise TemplateError(f"the model's chat template failed a test render: {e}") \
-                    from None
-        raise TemplateError("the model's chat template refused every test conversation: "
-                            + "; ".join(refusals))
-
-
-def _plain(value: object) -> str:
-    """A log line's rendering of a JSON-like value."""
-    if isinstance(value, dict):
-        return ", ".join(f"{k} {_plain(v)}" for k, v in value.items()) or "-"
-    if isinstance(value, (list, tuple)):
-        return " ".join(str(v) for v in value) or "-"
-    return str(value)
+        log_loaded(name, replica, time.monotonic() - (self.started_at or time.monotonic()),
+                   kv_tokens, runtime, rss, ledgers.get(replica))
