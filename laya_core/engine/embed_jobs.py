@@ -1,8 +1,9 @@
-"""Embeddings: the pooling a model declares, L2 normalization, and the engine's embed jobs.
+"""Embeddings: L2 normalization and the engine's embed jobs.
 
 A backend that embeds (``Backend.supports_embeddings``) returns one pooled hidden state per
 input (the final norm's output, pooled as the model declares: GGUF ``<arch>.pooling_type``
-or a sentence-transformers ``Pooling`` module; else the last token, which is what a causal
+or a sentence-transformers ``Pooling`` module, read by ``laya_core/models/pooling.py``;
+else the last token, which is what a causal
 decoder's last position has read). The core normalizes it to unit length, in float64, and
 hands it to the HTTP side as little-endian float32 bytes: immutable, and already what
 ``encoding_format = "base64"`` sends.
@@ -19,49 +20,15 @@ two thread pools on the same cores slow each other down many times over
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import attrs
 import numpy as np
 
-# GGUF's ``<arch>.pooling_type`` (llama.cpp's enum llama_pooling_type): 0 none, 1 mean,
-# 2 cls, 3 last, 4 rank. "none" (per-token vectors) and "rank" (a reranker's score) are no
-# single embedding, so they fall back to the default like a model that declares nothing.
-GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
-POOLINGS = ("mean", "cls", "last")
-DEFAULT_POOLING = "last"
-# sentence-transformers' Pooling config keys, by the pooling they switch on.
-_ST_POOLING = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",
-               "pooling_mode_lasttoken": "last"}
-
 
 class EmbeddingsUnsupportedError(ValueError):
     """The replica's backend cannot compute embeddings."""
-
-
-def pooling_of_gguf(value: object) -> str | None:
-    """The pooling a GGUF ``<arch>.pooling_type`` value names, or None."""
-    return GGUF_POOLING.get(value) if isinstance(value, int) else None
-
-
-def pooling_of_folder(folder: Path) -> str | None:
-    """The pooling of a Hugging Face folder's sentence-transformers ``Pooling`` module
-    (``modules.json`` names its folder, whose ``config.json`` switches one mode on), or
-    None where there is none or it asks for a mode not in :data:`POOLINGS`."""
-    try:
-        modules = json.loads((folder / "modules.json").read_text())
-        path = next(m.get("path", "") for m in modules
-                    if str(m.get("type", "")).endswith("models.Pooling"))
-        config = json.loads((folder / path / "config.json").read_text())
-    except (OSError, ValueError, StopIteration, AttributeError, TypeError):
-        return None
-    if not isinstance(config, dict):
-        return None
-    chosen = [pooling for key, pooling in _ST_POOLING.items() if config.get(key) is True]
-    return chosen[0] if len(chosen) == 1 else None
 
 
 def unit_float32(vector: Any) -> bytes:

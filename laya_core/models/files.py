@@ -24,8 +24,8 @@ from gguf.constants import (
     GGUFValueType,
 )
 
-from laya_core.engine.embed_jobs import pooling_of_folder, pooling_of_gguf
 from laya_core.models.checks import ModelFileError, check_metadata, vocab_size
+from laya_core.models.pooling import pooling_of_folder, pooling_of_gguf
 
 __all__ = ["ModelFileError", "ModelShape", "model_file_problem", "read_gguf", "read_hf_folder",
            "read_shape"]
@@ -65,7 +65,7 @@ class ModelShape:
     # out the token embedding, which is looked up rather than multiplied; empty when unknown.
     matrix_types: frozenset[str] = frozenset()
     # The pooling the model declares for embeddings ("mean", "cls", "last"), or None
-    # (laya_core/engine/embed_jobs.py).
+    # (laya_core/models/pooling.py).
     pooling: str | None = None
 
     @property

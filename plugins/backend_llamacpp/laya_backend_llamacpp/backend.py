@@ -43,10 +43,11 @@ from laya_core.backend import (
     StepResult,
 )
 from laya_core.engine.allowed_tokens import NO_TOKEN_ALLOWED
-from laya_core.engine.embed_jobs import DEFAULT_POOLING, EmbedPlan, embed_whole
+from laya_core.engine.embed_jobs import EmbedPlan, embed_whole
 from laya_core.engine.threads import ThreadGovernor
 from laya_core.kv.dtypes import KV_DTYPE_NAMES
 from laya_core.models.files import ModelShape, read_shape
+from laya_core.models.pooling import DEFAULT_POOLING
 from laya_core.types import Sample, SamplingParams
 
 log = logging.getLogger(__name__)

@@ -22,9 +22,10 @@ from laya_core.backend import (
     StepItem,
     StepResult,
 )
-from laya_core.engine.embed_jobs import DEFAULT_POOLING, EmbedPlan, embed_whole, pooled_rows
+from laya_core.engine.embed_jobs import EmbedPlan, embed_whole, pooled_rows
 from laya_core.engine.threads import ThreadGovernor
 from laya_core.models.files import ModelShape, read_shape
+from laya_core.models.pooling import DEFAULT_POOLING
 from laya_core.types import Sample, SamplingParams
 
 log = logging.getLogger(__name__)

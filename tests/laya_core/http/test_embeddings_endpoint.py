@@ -14,9 +14,10 @@ import pytest
 from toy_backend import ToyBackend
 
 from laya_core.config import manifest as mf
-from laya_core.engine.embed_jobs import EmbedJob, pooling_of_folder, unit_float32
+from laya_core.engine.embed_jobs import EmbedJob, unit_float32
 from laya_core.hookspecs import hookimpl
 from laya_core.http import create_app
+from laya_core.models.pooling import pooling_of_folder
 from laya_core.plugins import load_registry
 from laya_core.serving.deployment import Deployment
 
