@@ -10,11 +10,13 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from laya_core.http import access_log
 from laya_core.http import generation as gen
 from laya_core.http import openai_format as fmt
 from laya_core.http.body import json_body
+from laya_core.http.disconnect import until_disconnect
 from laya_core.http.errors import invalid
 from laya_core.http.observe import Observer
 from laya_core.http.requests import (
@@ -35,24 +37,10 @@ T = TypeVar("T")
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-async def _cancel_on_disconnect(request: Request, task: asyncio.Task[Any]) -> None:
-    """Cancel ``task`` when the client goes away (the body has been read already)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            task.cancel()
-            return
-
-
-async def _guarded(request: Request, work: Awaitable[Any]) -> Any:
-    """Run ``work``, cancelling it if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.create_task(_cancel_on_disconnect(request, task))
-    try:
-        return await task
-    finally:
-        watcher.cancel()
-
+def completion_routes(deployment: Deployment, observer: Observer) -> list[Route]:
+    handlers = CompletionHandlers(deployment, observer)
+    return [Route("/v1/chat/completions", handlers.chat, methods=["POST"]),
+            Route("/v1/completions", handlers.completions, methods=["POST"])]
 
 
 async def _parsed(parse: Callable[[Any], T], body: Any) -> T:
@@ -62,6 +50,7 @@ async def _parsed(parse: Callable[[Any], T], body: Any) -> T:
     if isinstance(body, dict) and any(body.get(k) is not None for k in CONSTRAINT_FIELDS):
         return await asyncio.to_thread(parse, body)
     return parse(body)
+
 
 class CompletionHandlers:
     def __init__(self, deployment: Deployment, observer: Observer) -> None:
@@ -77,7 +66,7 @@ class CompletionHandlers:
         session = request.headers.get("x-session-id")
         req = with_header_priority(req, request.headers.get("x-priority"))
         try:
-            runs = await _guarded(request, gen.start(self.deployment, req, session))
+            runs = await until_disconnect(request, gen.start(self.deployment, req, session))
         except TemplateError as e:
             raise invalid("messages", str(e), "chat_template_error") from None
         base = {"id": gen.new_id(id_prefix), "object": obj, "created": int(time.time()),
@@ -151,7 +140,7 @@ class CompletionHandlers:
     async def _collect(self, request: Request, runs: list[gen.Running],
                        req: ChatRequest | CompletionRequest) -> list[gen.Result]:
         try:
-            return list(await _guarded(request, asyncio.gather(*map(gen.collect, runs))))
+            return await until_disconnect(request, asyncio.gather(*map(gen.collect, runs)))
         finally:
             gen.release_all(runs)
 

@@ -11,29 +11,22 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from laya_core.engine.embed_jobs import Embeddings, EmbeddingsUnsupportedError
 from laya_core.http import access_log
-from laya_core.http import generation as gen
 from laya_core.http.body import json_body
+from laya_core.http.disconnect import until_disconnect
 from laya_core.http.embedding_requests import EmbeddingRequest, parse_embedding
-from laya_core.http.errors import APIError, invalid
-from laya_core.replica.client import (
-    EngineClient,
-    EngineUnavailableError,
-    QueueFullError,
-    RequestTooLongError,
-)
-from laya_core.routing.router import NoRouteError
+from laya_core.http.errors import APIError, invalid, refusal
+from laya_core.http.replicas import client_for, route
+from laya_core.replica.client import EngineClient
 from laya_core.serving.deployment import Deployment
-
-T = TypeVar("T")
 
 
 def _unsupported(deployment: Deployment, req: EmbeddingRequest,
@@ -77,22 +70,6 @@ def _token_ids(req: EmbeddingRequest, client: EngineClient) -> list[list[int]]:
     return out
 
 
-async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """``work``'s result; cancelled (so the engine skips what is left) if the client leaves."""
-    task = asyncio.ensure_future(work)
-
-    async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        task.cancel()
-
-    watcher = asyncio.create_task(watch())
-    try:
-        return await task
-    finally:
-        watcher.cancel()
-
-
 def _vector(data: bytes, encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":  # OpenAI's: little-endian float32, base64
         return base64.b64encode(data).decode("ascii")
@@ -101,28 +78,20 @@ def _vector(data: bytes, encoding_format: str) -> list[float] | str:
 
 async def _embed(deployment: Deployment, req: EmbeddingRequest, ids: list[list[int]],
                  request: Request) -> tuple[Embeddings, float]:
-    t0 = time.perf_counter()
-    try:
-        replica = deployment.router.route(req.model, req.user, ())
-    except NoRouteError as e:
-        raise APIError(503, str(e), code="no_replica",
-                       retry_after=gen.QUEUE_RETRY_AFTER_S) from None
-    route_s = time.perf_counter() - t0
+    replica, route_s = route(deployment, req.model, req.user, (), time.perf_counter())
     client = deployment.clients[replica]
     try:
-        return await _until_disconnect(request, client.embed(ids)), route_s
+        # Cancelled when the client leaves: the engine skips what is left of the inputs.
+        return await until_disconnect(request, client.embed(ids)), route_s
     except EmbeddingsUnsupportedError:
         raise _unsupported(deployment, req, client) from None
-    except RequestTooLongError as e:
-        raise invalid("input", str(e), "context_length_exceeded") from None
-    except QueueFullError as e:
-        raise APIError(429, str(e), code="queue_full",
-                       retry_after=gen.QUEUE_RETRY_AFTER_S) from None
-    except EngineUnavailableError as e:
-        raise APIError(503, f"{e}; retry later", code="not_ready",
-                       retry_after=gen.QUEUE_RETRY_AFTER_S) from None
-    except RuntimeError as e:  # the backend failed on this input
-        raise APIError(500, str(e), code="engine_error") from None
+    except Exception as e:
+        error = refusal(e, "input")
+        if error is None and isinstance(e, RuntimeError):  # the backend failed on this input
+            error = APIError(500, str(e), code="engine_error")
+        if error is None:
+            raise
+        raise error from None
     finally:
         deployment.router.release(replica)
 
@@ -136,7 +105,7 @@ class EmbeddingHandler:
     async def handle(self, request: Request) -> Response:
         deployment = self.deployment
         req = parse_embedding(await json_body(request, deployment.manifest.server))
-        client = gen.client_for(deployment, req.model)
+        client = client_for(deployment, req.model)
         if not client.supports_embeddings():
             raise _unsupported(deployment, req, client)
         ids = await asyncio.to_thread(_token_ids, req, client)
@@ -148,3 +117,7 @@ class EmbeddingHandler:
             for i, v in enumerate(result.vectors)]
         return JSONResponse({"object": "list", "data": data, "model": req.model,
                              "usage": usage})
+
+
+def embedding_routes(deployment: Deployment) -> list[Route]:
+    return [Route("/v1/embeddings", EmbeddingHandler(deployment).handle, methods=["POST"])]

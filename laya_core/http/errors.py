@@ -1,11 +1,28 @@
-"""OpenAI-style error objects: ``{"error": {"message", "type", "param", "code"}}``."""
+"""OpenAI-style error objects: ``{"error": {"message", "type", "param", "code"}}``, and the
+one mapping from what a replica or the app refuses with to those objects."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
+from typing import Any
 
 from starlette.exceptions import HTTPException
-from starlette.responses import JSONResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from laya_core.models.tokenizer import TokenizerClosedError
+from laya_core.replica.client import (
+    EngineUnavailableError,
+    GrammarError,
+    QueueFullError,
+    RequestTooLongError,
+)
+
+# The app's logger: an unhandled error is logged as the app's, as it always was.
+log = logging.getLogger("laya_core.http.app")
+# Seconds a client is told to wait (Retry-After) when the queue or the replicas are busy.
+QUEUE_RETRY_AFTER_S = 2
 
 # OpenAI types every client error (400, 404 unknown URL or model, 405, 408, 413, ...)
 # "invalid_request_error" and every server fault "server_error"; these statuses get a type
@@ -68,3 +85,47 @@ def http_exception_response(method: str, path: str, exc: HTTPException) -> JSONR
     else:
         error = APIError(exc.status_code, exc.detail or "error", code="http_error")
     return error.response(headers)
+
+
+def refusal(e: BaseException, too_long_param: str) -> APIError | None:
+    """The error object answering a replica's refusal ``e`` of ``submit`` or ``embed``, or
+    None where ``e`` is no refusal. ``too_long_param``: the request field a too-long request
+    names (``max_tokens``, ``max_completion_tokens`` or ``input``)."""
+    if isinstance(e, GrammarError):
+        return invalid(e.param, str(e), "invalid_constraint")
+    if isinstance(e, RequestTooLongError):
+        return invalid(too_long_param, str(e), "context_length_exceeded")
+    if isinstance(e, QueueFullError):
+        return APIError(429, str(e), code="queue_full", retry_after=QUEUE_RETRY_AFTER_S)
+    if isinstance(e, EngineUnavailableError):  # stopped or failed since routing: shutting down
+        return APIError(503, f"{e}; retry later", code="not_ready",
+                        retry_after=QUEUE_RETRY_AFTER_S)
+    return None
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return http_exception_response(request.method, request.url.path, exc)
+
+
+async def _unloaded(request: Request, exc: Exception) -> Response:
+    # A request that raced the server's shutdown: its model was unloaded under it.
+    return APIError(503, f"{exc}; the server is shutting down", code="not_ready",
+                    retry_after=QUEUE_RETRY_AFTER_S).response()
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return APIError(500, f"internal error ({type(exc).__name__}); the server log has the "
+                    "details", code="internal_error").response()
+
+
+def exception_handlers() -> dict[Any, Any]:
+    """The app's handlers: every error a client meets is an error object."""
+    return {APIError: _api_error, HTTPException: _http_error,
+            TokenizerClosedError: _unloaded, Exception: _unexpected}

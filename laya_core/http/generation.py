@@ -12,22 +12,14 @@ import attrs
 
 from laya_core.engine.limits import room_to_generate
 from laya_core.engine.stream import GenerationStream
-from laya_core.http.errors import APIError, invalid
+from laya_core.http.errors import QUEUE_RETRY_AFTER_S, APIError, invalid, refusal
+from laya_core.http.replicas import client_for, route
 from laya_core.http.requests import ChatRequest, CompletionRequest, GenerationRequest
-from laya_core.replica.client import (
-    EngineClient,
-    EngineUnavailableError,
-    GrammarError,
-    QueueFullError,
-    RequestTooLongError,
-)
 from laya_core.kv.hashing import prefix_hashes
-from laya_core.routing.router import NoRouteError
-from laya_core.serving.deployment import Deployment, ModelUnavailableError, UnknownModelError
+from laya_core.replica.client import EngineClient, RequestTooLongError
+from laya_core.serving.deployment import Deployment
 from laya_core.serving.template_sandbox import TemplateUnavailableError
 from laya_core.types import FinishReason, Sample, SamplingParams, Timing, TokenEvent
-
-QUEUE_RETRY_AFTER_S = 2
 
 
 @attrs.define
@@ -62,19 +54,6 @@ class Result:
     token_ids: list[int]
     samples: list[Sample]
     prompt_logprobs: list[Sample] = attrs.field(factory=list)  # from the prompt's second token
-
-
-def client_for(deployment: Deployment, name: str, param: str = "model") -> EngineClient:
-    """A loaded replica of model ``name``, or the APIError that says why there is none."""
-    try:
-        return deployment.any_client(name)
-    except UnknownModelError:
-        raise APIError(404, f"the model {name!r} does not exist; see GET /v1/models",
-                       param=param, code="model_not_found") from None
-    except ModelUnavailableError as e:
-        if e.failed:  # no retry will help: say why, at once
-            raise APIError(503, str(e), code="model_failed") from None
-        raise APIError(503, str(e), code="not_ready", retry_after=5) from None
 
 
 def _params(req: GenerationRequest, max_tokens: int, choice: int,
@@ -138,31 +117,17 @@ async def _submit(deployment: Deployment, req: GenerationRequest, prompt: list[i
     t0 = time.perf_counter()
     # Hashing the prompt's leading blocks is routing work, so it counts in the route time.
     prefix = prefix_hashes(prompt) if deployment.models[req.model].routing == "prefix" else ()
-    try:
-        replica = deployment.router.route(req.model, session, prefix)
-    except NoRouteError as e:
-        raise APIError(503, str(e), code="no_replica", retry_after=QUEUE_RETRY_AFTER_S) from None
-    route_s = time.perf_counter() - t0
+    replica, route_s = route(deployment, req.model, session, prefix, t0)
     client = deployment.clients[replica]
     try:
         stream = await client.submit(prompt, params, req.constraint)
-    except GrammarError as e:
+    except BaseException as e:
         deployment.router.release(replica)
-        raise invalid(e.param, str(e), "invalid_constraint") from None
-    except RequestTooLongError as e:
-        deployment.rejections[req.model, "too_long"] += 1
-        deployment.router.release(replica)
-        raise invalid(req.max_tokens_param, str(e), "context_length_exceeded") from None
-    except QueueFullError as e:
-        deployment.router.release(replica)
-        raise APIError(429, str(e), code="queue_full", retry_after=QUEUE_RETRY_AFTER_S) from None
-    except EngineUnavailableError as e:  # stopped or failed since routing: e.g. shutting down
-        deployment.router.release(replica)
-        raise APIError(503, f"{e}; retry later", code="not_ready",
-                       retry_after=QUEUE_RETRY_AFTER_S) from None
-    except BaseException:
-        deployment.router.release(replica)
-        raise
+        if isinstance(e, RequestTooLongError):
+            deployment.rejections[req.model, "too_long"] += 1
+        if (error := refusal(e, req.max_tokens_param)) is None:
+            raise
+        raise error from None
     return Running(stream, client, route_s, deployment, prompt, text,
                    discard_output=discard_output)
 
