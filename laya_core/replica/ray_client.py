@@ -26,7 +26,6 @@ from typing import Any
 
 from laya_core.backend import Backend, ModelConfig
 from laya_core.replica.client import EngineState
-from laya_core.replica.ray_actor import ReplicaActor
 from laya_core.replica.remote import RemoteEngineClient
 from laya_core.replica.supervisor import Outcome
 
@@ -76,6 +75,10 @@ class RayEngineClient(RemoteEngineClient):
 
     def start(self) -> None:
         import ray
+
+        # The actor's class is the child's side (it imports laya_core.replica.worker): the
+        # front end names it only to hand it to Ray.
+        from laya_core.replica.ray_actor import ReplicaActor
 
         cls = ray.remote(ReplicaActor)
         self._actor = cls.options(  # type: ignore[attr-defined]
