@@ -38,9 +38,13 @@ def test_bad_options_name_their_key(options: dict, key: str, words: str) -> None
 
 
 def test_good_options_pass() -> None:
-    mf.resolve(mf.from_dict({"models": [torch_model(
-        dtype="bfloat16", device="cuda:1", quantize="int8", n_threads=3, compile=True)]}),
-        load_registry())
+    """Options the torch backend takes reach it as written, and the model path is found."""
+    options = {"dtype": "bfloat16", "device": "cuda:1", "quantize": "int8", "n_threads": 3,
+               "compile": True}
+    (model,) = mf.resolve(mf.from_dict({"models": [torch_model(**options)]}),
+                          load_registry()).models
+    assert model.backend == "torch" and model.options == options
+    assert model.path.endswith(".gguf") and Path(model.path).is_file(), model.path
 
 
 @pytest.mark.parametrize(("make", "words"), [

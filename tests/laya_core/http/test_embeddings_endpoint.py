@@ -14,7 +14,7 @@ import pytest
 from toy_backend import ToyBackend
 
 from laya_core.config import manifest as mf
-from laya_core.engine.embed_jobs import EmbedJob, unit_float32
+from laya_core.engine.embed_jobs import Embeddings, unit_float32
 from laya_core.hookspecs import hookimpl
 from laya_core.http import create_app
 from laya_core.models.pooling import pooling_of_folder
@@ -184,14 +184,29 @@ def test_embeddings_run_between_steps_and_leave_generation_exact(
     assert state.num_waiting == 0 and state.num_running == 0
 
 
-def test_a_cancelled_job_is_skipped() -> None:
-    loop = asyncio.new_event_loop()
-    try:
-        job = EmbedJob([[1], [2]], loop, loop.create_future())
-        job.future.cancel()
-        assert job.done
-    finally:
-        loop.close()
+def test_a_cancelled_job_is_skipped(deployment: Deployment) -> None:
+    """An embed request cancelled while it waits behind another is never fed to the
+    backend: the engine embeds the request before it and the one after it, and not one
+    token of it, and the cancelled one leaves the replica's queue."""
+    engine = deployment.engines[0]
+    backend = engine.backend
+    assert isinstance(backend, ToyBackend)
+    ahead = [[1, 2]] * 100  # the toy takes one input per pass: 100 passes of 2 ms or more
+    cancelled, after = [[3, 4, 5]], [[6, 7]]
+
+    async def go() -> tuple[Embeddings, Embeddings]:
+        first = engine.embed(ahead)
+        doomed = engine.embed(cancelled)
+        last = engine.embed(after)
+        doomed.cancel()  # its caller went away while the first request was embedded
+        return await first, await last
+
+    fed_before, tokens_before = len(backend.embedded), engine.embedded_tokens
+    first, last = asyncio.run(go())
+    assert len(first.vectors) == len(ahead) and len(last.vectors) == len(after)
+    assert backend.embedded[fed_before:] == ahead + after
+    assert engine.embedded_tokens - tokens_before == sum(map(len, ahead + after))
+    assert deployment.clients[0].state().num_waiting == 0
 
 
 def test_sentence_transformers_pooling_is_read(tmp_path: Any) -> None:
