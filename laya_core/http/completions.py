@@ -16,13 +16,13 @@ from laya_core.http import access_log
 from laya_core.http import generation as gen
 from laya_core.http import openai_format as fmt
 from laya_core.http.body import json_body
+from laya_core.http.chat_requests import parse_chat
 from laya_core.http.disconnect import until_disconnect
 from laya_core.http.errors import invalid
 from laya_core.http.observe import Observer
 from laya_core.http.requests import (
     ChatRequest,
     CompletionRequest,
-    parse_chat,
     parse_completion,
     with_header_priority,
 )

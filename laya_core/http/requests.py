@@ -1,4 +1,5 @@
-"""Parsing and validating OpenAI request bodies into typed requests.
+"""Parsing and validating OpenAI request bodies into typed requests: the fields every
+generation request shares, and completions' (chat's are in ``chat_requests.py``).
 
 Everything is checked before any work starts; a problem names its field in ``param``.
 A field that would change the output but is not implemented is refused, never ignored.
@@ -6,19 +7,16 @@ A field that would change the output but is not implemented is refused, never ig
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
-from laya_core.http import safe_json
 from laya_core.http.errors import invalid
 from laya_core.structured import formats
 from laya_core.structured.spec import ConstraintSpec, GrammarError
-from laya_core.structured.tools import Tool, ToolUse, call_grammar
+from laya_core.structured.tools import ToolUse
 
 # Fields that would change the output and are not implemented yet, with the value that means
 # "off" (a request that sends exactly that value is fine).
@@ -108,7 +106,9 @@ def _as_float(name: str, value: int) -> float:
                       "for a float") from None
 
 
-class _Body:
+class Body:
+    """A request body's fields, each read with its type and bounds checked."""
+
     def __init__(self, body: Any) -> None:
         if not isinstance(body, Mapping):
             raise invalid("body", "the request body must be a JSON object", "invalid_type")
@@ -153,7 +153,9 @@ class _Body:
                               "or send its default", "unsupported_parameter")
 
 
-def _common(b: _Body, logprobs: int | None, min_max_tokens: int = 1) -> GenerationRequest:
+def common_fields(b: Body, logprobs: int | None, min_max_tokens: int = 1) -> GenerationRequest:
+    """The fields chat and completion requests share; ``logprobs``: alternatives per output
+    token, or None."""
     b.refuse_unsupported()
     model = b.get("model", str)
     if not model:
@@ -207,160 +209,6 @@ def _common(b: _Body, logprobs: int | None, min_max_tokens: int = 1) -> Generati
     )
 
 
-_ROLES = ("system", "user", "assistant", "developer", "tool")
-MAX_TOOLS = 128
-_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
-
-
-def _content_text(content: Any, param: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, Mapping) or part.get("type") != "text" \
-                    or not isinstance(part.get("text"), str):
-                raise invalid(f"{param}[{j}]", "only text content parts "
-                              '({"type": "text", "text": ...}) are supported')
-            parts.append(part["text"])
-        return "".join(parts)
-    raise invalid(param, "message content must be a string or a list of text parts",
-                  "invalid_type")
-
-
-def _history_calls(raw: Any, param: str) -> list[dict[str, Any]]:
-    """An assistant message's ``tool_calls``: arguments a JSON string (OpenAI's) or an object,
-    kept both parsed (for templates) and as text (for the generic rendering)."""
-    if not isinstance(raw, list) or not raw:
-        raise invalid(param, "'tool_calls' must be a non-empty array of calls", "invalid_type")
-    calls = []
-    for j, call in enumerate(raw):
-        fn = call.get("function") if isinstance(call, Mapping) else None
-        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
-            raise invalid(f"{param}[{j}].function", "each call needs a 'function' with a "
-                          "'name' and 'arguments'")
-        args = fn.get("arguments", "{}")
-        if isinstance(args, str):  # JSON in a string: the body's depth bound missed it
-            parsed = safe_json.loads_field(args or "{}", f"{param}[{j}].function.arguments")
-        else:
-            parsed = args
-        if not isinstance(parsed, dict):
-            raise invalid(f"{param}[{j}].function.arguments", "'arguments' must be a JSON "
-                          "object, as a string")
-        call_id = call.get("id")
-        calls.append({"id": call_id if isinstance(call_id, str) else f"call_{j}",
-                      "type": "function",
-                      "function": {"name": fn["name"], "arguments": parsed,
-                                   "raw_arguments": json.dumps(parsed, ensure_ascii=False)}})
-    return calls
-
-
-def _message(m: Any, i: int) -> dict[str, Any]:
-    if not isinstance(m, Mapping):
-        raise invalid(f"messages[{i}]", "each message must be an object", "invalid_type")
-    role = m.get("role")
-    if role not in _ROLES:
-        raise invalid(f"messages[{i}].role",
-                      f"role must be one of {', '.join(_ROLES)}, got {role!r}")
-    out: dict[str, Any] = {"role": "system" if role == "developer" else role}
-    if role == "assistant" and m.get("tool_calls"):
-        out["tool_calls"] = _history_calls(m["tool_calls"], f"messages[{i}].tool_calls")
-        content = m.get("content")
-        out["content"] = None if content is None else _content_text(
-            content, f"messages[{i}].content")
-        return out
-    if m.get("content") is None:
-        raise invalid(f"messages[{i}].content", "message content is required", "missing")
-    out["content"] = _content_text(m["content"], f"messages[{i}].content")
-    if role == "tool":
-        call_id = m.get("tool_call_id")
-        if not isinstance(call_id, str) or not call_id:
-            raise invalid(f"messages[{i}].tool_call_id", "a tool message needs the "
-                          "'tool_call_id' of the call it answers", "missing")
-        out["tool_call_id"] = call_id
-        if isinstance(m.get("name"), str):
-            out["name"] = m["name"]
-    return out
-
-
-def _tool(raw: Any, param: str) -> Tool:
-    if not isinstance(raw, Mapping) or raw.get("type", "function") != "function" \
-            or not isinstance(raw.get("function"), Mapping):
-        raise invalid(param, 'each tool must be {"type": "function", "function": {...}}')
-    fn = raw["function"]
-    name = fn.get("name")
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise invalid(f"{param}.function.name", "a function's name must be 1 to 64 letters, "
-                      f"digits, '_', '.', ':' or '-', got {name!r}")
-    description = fn.get("description")
-    if description is not None and not isinstance(description, str):
-        raise invalid(f"{param}.function.description", "'description' must be a string")
-    parameters = fn.get("parameters") or {"type": "object", "properties": {}}
-    if not isinstance(parameters, Mapping) or parameters.get("type", "object") != "object":
-        raise invalid(f"{param}.function.parameters", "'parameters' must be a JSON schema "
-                      'of an object ({"type": "object", ...})')
-    strict = fn.get("strict", False)
-    if not isinstance(strict, (bool, type(None))):
-        raise invalid(f"{param}.function.strict", "'strict' must be a boolean")
-    return Tool(name, description, dict(parameters), bool(strict))
-
-
-def _tool_use(b: _Body, common: GenerationRequest) -> ToolUse | None:
-    raw = b.get("tools", list, [])
-    if len(raw) > MAX_TOOLS:
-        raise invalid("tools", f"at most {MAX_TOOLS} tools, got {len(raw)}")
-    tools = tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(raw))
-    if len({t.name for t in tools}) < len(tools):
-        raise invalid("tools", "two tools have the same name")
-    choice = b.body.get("tool_choice")
-    if isinstance(choice, Mapping):
-        fn = choice.get("function")
-        name = fn.get("name") if isinstance(fn, Mapping) else None
-        if choice.get("type") != "function" or not isinstance(name, str):
-            raise invalid("tool_choice", 'a named tool_choice is {"type": "function", '
-                          '"function": {"name": ...}}')
-        if name not in {t.name for t in tools}:
-            raise invalid("tool_choice.function.name", f"tool_choice names {name!r}, which "
-                          "is not one of 'tools'")
-        choice = name
-    elif choice is None:
-        choice = "auto" if tools else "none"
-    elif choice not in ("none", "auto", "required"):
-        raise invalid("tool_choice", "tool_choice must be none, auto, required or "
-                      '{"type": "function", "function": {"name": ...}}')
-    if choice != "none" and not tools:
-        raise invalid("tool_choice", f"tool_choice {choice!r} needs 'tools'")
-    parallel = b.get("parallel_tool_calls", bool, True)
-    if choice == "none":
-        return None
-    if common.constraint is not None:
-        raise invalid(common.constraint.param, f"'{common.constraint.param}' cannot be "
-                      "combined with tools; send tool_choice \"none\" to use it")
-    return ToolUse(tools, choice, parallel)
-
-
-def parse_chat(body: Any) -> ChatRequest:
-    b = _Body(body)
-    top = b.get("top_logprobs", int)
-    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise invalid("top_logprobs", f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}")
-    wanted = b.get("logprobs", bool, False)
-    if top is not None and not wanted:
-        raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
-    common = _common(b, (top or 0) if wanted else None)
-    raw = b.get("messages", list)
-    if not raw:
-        raise invalid("messages", "'messages' must be a non-empty array of messages", "missing")
-    messages = tuple(_message(m, i) for i, m in enumerate(raw))
-    use = _tool_use(b, common)
-    if use is not None:
-        try:
-            common = attrs.evolve(common, constraint=call_grammar(use))
-        except GrammarError as e:
-            raise invalid(e.param, str(e)) from None
-    return ChatRequest(common, messages, use)
-
-
 def _prompt(value: Any, param: str) -> str | tuple[int, ...]:
     if isinstance(value, str) and value:
         return value
@@ -372,7 +220,7 @@ def _prompt(value: Any, param: str) -> str | tuple[int, ...]:
 
 
 def parse_completion(body: Any) -> CompletionRequest:
-    b = _Body(body)
+    b = Body(body)
     for name in ("tools", "tool_choice"):
         if b.body.get(name) not in (None, [], "none"):
             raise invalid(name, f"'{name}' belongs to /v1/chat/completions", "unsupported_parameter")
@@ -384,7 +232,7 @@ def parse_completion(body: Any) -> CompletionRequest:
         raise invalid("max_tokens", "'max_tokens' may be 0 only with 'echo': true (the prompt "
                       "returned, scored when 'logprobs' is set, and nothing generated)")
     # As OpenAI's legacy API: echo with max_tokens 0 returns the prompt alone.
-    common = _common(b, top, min_max_tokens=0 if echo else 1)
+    common = common_fields(b, top, min_max_tokens=0 if echo else 1)
     raw = b.body.get("prompt")
     if isinstance(raw, list) and raw and all(isinstance(p, (str, list)) for p in raw):
         prompts = tuple(_prompt(p, f"prompt[{i}]") for i, p in enumerate(raw))
@@ -396,28 +244,3 @@ def parse_completion(body: Any) -> CompletionRequest:
     if echo and common.stream:
         raise invalid("echo", "'echo' with 'stream' is not supported; ask for one of them")
     return CompletionRequest(common, prompts, echo)
-
-
-@attrs.frozen
-class TokenizeRequest:
-    model: str
-    prompt: str
-    messages: tuple[dict[str, str], ...] | None
-    add_special_tokens: bool
-    add_generation_prompt: bool
-
-
-def parse_tokenize(body: Any) -> TokenizeRequest:
-    """vLLM's /tokenize body: ``model`` with ``prompt`` or ``messages``."""
-    b = _Body(body)
-    model = b.get("model", str)
-    if not model:
-        raise invalid("model", "'model' is required", "missing")
-    if "messages" in b.body:
-        chat = parse_chat({"model": model, "messages": b.body["messages"]})
-        return TokenizeRequest(model, "", chat.messages, b.get("add_special_tokens", bool, False),
-                               b.get("add_generation_prompt", bool, True))
-    prompt = b.get("prompt", str)
-    if prompt is None:
-        raise invalid("prompt", "give 'prompt' (a string) or 'messages'", "missing")
-    return TokenizeRequest(model, prompt, None, b.get("add_special_tokens", bool, True), False)

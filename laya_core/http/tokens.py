@@ -3,17 +3,45 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
+import attrs
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from laya_core.http.body import json_body
+from laya_core.http.chat_requests import parse_chat
 from laya_core.http.errors import invalid
 from laya_core.http.replicas import client_for
-from laya_core.http.requests import parse_tokenize
+from laya_core.http.requests import Body
 from laya_core.serving.chat_template import TemplateError
 from laya_core.serving.deployment import Deployment
+
+
+@attrs.frozen
+class TokenizeRequest:
+    model: str
+    prompt: str
+    messages: tuple[dict[str, str], ...] | None
+    add_special_tokens: bool
+    add_generation_prompt: bool
+
+
+def parse_tokenize(body: Any) -> TokenizeRequest:
+    """vLLM's /tokenize body: ``model`` with ``prompt`` or ``messages``."""
+    b = Body(body)
+    model = b.get("model", str)
+    if not model:
+        raise invalid("model", "'model' is required", "missing")
+    if "messages" in b.body:
+        chat = parse_chat({"model": model, "messages": b.body["messages"]})
+        return TokenizeRequest(model, "", chat.messages, b.get("add_special_tokens", bool, False),
+                               b.get("add_generation_prompt", bool, True))
+    prompt = b.get("prompt", str)
+    if prompt is None:
+        raise invalid("prompt", "give 'prompt' (a string) or 'messages'", "missing")
+    return TokenizeRequest(model, prompt, None, b.get("add_special_tokens", bool, True), False)
 
 
 def token_routes(deployment: Deployment) -> list[Route]:
