@@ -110,7 +110,7 @@ def _serve_args(args: argparse.Namespace, source: sources.Source | None) -> list
 
 
 def cmd_serve(args: argparse.Namespace, registry: Registry) -> int:
-    from laya_core.serving.serve import serve
+    from laya_core.cli.serve import serve
 
     manifest, _ = cli_settings.build(args, registry)
     plan = planner.make_plan(manifest, registry, serving=True)
@@ -170,7 +170,7 @@ def _report(error: mf.ManifestError, args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from laya_core.cli.logs import setup_logging
+    from laya_core.logs import setup_logging
 
     setup_logging(logging.INFO)
     if getattr(args, "trace_hooks", False):

@@ -22,8 +22,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from laya_core.cli.logs import resident_bytes
 from laya_core.kv.hashing import BLOCK_SIZE
+from laya_core.logs import resident_bytes
 from laya_core.memory.ledger import ReplicaLedger
 from laya_core.serving.deployment import Deployment
 from laya_core.types import Timing

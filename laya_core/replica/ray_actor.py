@@ -20,7 +20,7 @@ import threading
 from typing import Any
 
 from laya_core.backend import ModelConfig
-from laya_core.cli.logs import setup_logging
+from laya_core.logs import setup_logging
 from laya_core.replica.worker import _Worker, build_engine, loaded_of, serve_engine
 
 

@@ -234,7 +234,7 @@ def loaded_of(engine: Engine) -> Loaded:
 
 
 def main(fd: int) -> int:
-    from laya_core.cli.logs import setup_logging
+    from laya_core.logs import setup_logging
 
     setup_logging()
     # The front end decides when this replica stops (it drains its requests first); a

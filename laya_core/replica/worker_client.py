@@ -33,7 +33,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from laya_core.backend import Backend, ModelConfig
-from laya_core.cli.logs import resident_bytes
+from laya_core.logs import resident_bytes
 from laya_core.replica.child_exit import describe_exit
 from laya_core.replica.client import EngineState
 from laya_core.replica.remote import RemoteEngineClient

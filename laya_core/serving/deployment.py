@@ -18,9 +18,9 @@ from typing import Any
 import attrs
 
 from laya_core.backend import ModelConfig, ModelInfo
-from laya_core.cli.logs import resident_bytes
 from laya_core.config.manifest import Manifest
 from laya_core.engine.engine import Engine, EngineState
+from laya_core.logs import resident_bytes
 from laya_core.memory.ledger import Plan
 from laya_core.plugins import Registry
 from laya_core.replica.client import EngineClient, LocalEngineClient, ReplicaSnapshot

@@ -21,7 +21,7 @@ from hostile_schemas import ref_chain, ref_nesting
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from laya_core.cli.logs import resident_bytes
+from laya_core.logs import resident_bytes
 from laya_core.structured.sandbox import CompileLimits
 
 ASK = [{"role": "user", "content": "Say something."}]

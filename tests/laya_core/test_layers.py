@@ -27,10 +27,9 @@ PACKAGE = Path(laya_core.__file__).parent
 # The rooms, lowest first, one line each: why it sits there. A module belongs to the room of
 # its longest matching prefix. A module may import its own room and the rooms below it.
 ROOMS: tuple[tuple[str, tuple[str, ...], str], ...] = (
-    ("vocabulary", ("laya_core.types", "laya_core.units"),
-     "plain values every room speaks (sampling params, samples, usage, byte units)"),
-    ("logs", ("laya_core.cli.logs",),
-     "log setup and the ring buffer that every process writes to; imports nothing of Laya"),
+    ("vocabulary", ("laya_core.types", "laya_core.units", "laya_core.logs"),
+     "plain values every room speaks (sampling params, samples, usage, byte units) and the "
+     "log setup every process (server, worker, Ray actor) shares; imports nothing of Laya"),
     ("models", ("laya_core.models",),
      "what a model file says and the tokenizer interface: headers read, nothing loaded"),
     ("kv", ("laya_core.kv",),
@@ -56,8 +55,6 @@ ROOMS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      "a deployment: the replicas of each model, the router, chat templates"),
     ("http", ("laya_core.http",),
      "the HTTP front end over a deployment"),
-    ("server", ("laya_core.serving.serve",),
-     "runs a server: the deployment and the HTTP app together"),
     ("builtin", ("laya_core.builtin",),
      "the built-in plugins, which register through the contract as a third party's do"),
     ("cli", ("laya_core.cli",),

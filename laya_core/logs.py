@@ -1,4 +1,5 @@
-"""Logging for the ``laya`` command: one handler on the root logger, so each line prints once.
+"""Logging for every process of a server (the ``laya`` command, its workers, its Ray actors):
+one handler on the root logger, so each line prints once.
 
 Hypercorn would give its ``hypercorn.error`` logger a stderr handler of its own that also
 propagates to the root, which printed its "Running on" line twice; ``serve.hypercorn_config``

@@ -31,7 +31,7 @@ def hypercorn_config(manifest: Manifest, listener: socket.socket | None = None) 
         config.bind = [f"fd://{listener.fileno()}"]
     config.accesslog = None
     # Handed a logger, Hypercorn adds no handler of its own: its lines reach the root
-    # handler only, once (laya_core/cli/logs.py).
+    # handler only, once (laya_core/logs.py).
     config.errorlog = logging.getLogger("hypercorn.error")
     # After SIGTERM/SIGINT Hypercorn stops accepting and lets in-flight requests (streams
     # included) run this long; what is left is cancelled and the engines then stop.
