@@ -1,5 +1,5 @@
 """Parsing a POST /v1/chat/completions body: messages, tools and tool_choice, on top of the
-fields every generation request shares (:mod:`laya_core.http.requests`)."""
+fields every generation request shares (:mod:`laya_core.http.completion_requests`)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from typing import Any
 import attrs
 
 from laya_core.http import safe_json
-from laya_core.http.errors import invalid
-from laya_core.http.requests import (
+from laya_core.http.completion_requests import (
     MAX_TOP_LOGPROBS,
     Body,
     ChatRequest,
     GenerationRequest,
     common_fields,
 )
+from laya_core.http.errors import invalid
 from laya_core.structured.spec import GrammarError
 from laya_core.structured.tools import Tool, ToolUse, call_grammar
 

@@ -17,15 +17,15 @@ from laya_core.http import generation as gen
 from laya_core.http import openai_format as fmt
 from laya_core.http.body import json_body
 from laya_core.http.chat_requests import parse_chat
-from laya_core.http.disconnect import until_disconnect
-from laya_core.http.errors import invalid
-from laya_core.http.observe import Observer
-from laya_core.http.requests import (
+from laya_core.http.completion_requests import (
     ChatRequest,
     CompletionRequest,
     parse_completion,
     with_header_priority,
 )
+from laya_core.http.disconnect import until_disconnect
+from laya_core.http.errors import invalid
+from laya_core.http.observe import Observer
 from laya_core.http.sse import SSEResponse
 from laya_core.serving.chat_template import TemplateError
 from laya_core.serving.deployment import Deployment

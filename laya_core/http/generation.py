@@ -12,9 +12,9 @@ import attrs
 
 from laya_core.engine.limits import room_to_generate
 from laya_core.engine.stream import GenerationStream
+from laya_core.http.completion_requests import ChatRequest, CompletionRequest, GenerationRequest
 from laya_core.http.errors import QUEUE_RETRY_AFTER_S, APIError, invalid, refusal
 from laya_core.http.replicas import client_for, route
-from laya_core.http.requests import ChatRequest, CompletionRequest, GenerationRequest
 from laya_core.kv.hashing import prefix_hashes
 from laya_core.replica.client import EngineClient, RequestTooLongError
 from laya_core.serving.deployment import Deployment

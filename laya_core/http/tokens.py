@@ -12,9 +12,9 @@ from starlette.routing import Route
 
 from laya_core.http.body import json_body
 from laya_core.http.chat_requests import parse_chat
+from laya_core.http.completion_requests import Body
 from laya_core.http.errors import invalid
 from laya_core.http.replicas import client_for
-from laya_core.http.requests import Body
 from laya_core.serving.chat_template import TemplateError
 from laya_core.serving.deployment import Deployment
 
