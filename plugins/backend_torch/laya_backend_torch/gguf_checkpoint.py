@@ -4,17 +4,16 @@ table, the config in Hugging Face's terms, and tensors under Hugging Face names 
 llama.cpp's converter renames every tensor and permutes Q and K rows for its interleaved
 rotary (Q by ``n_head``, K by ``n_head_kv``), which ``GGUFFile.tensors()`` undoes, and stores
 Llama 3's rotary as per-frequency divisors (``rope_freqs.weight``), which are mapped back to a
-llama3 ``rope_scaling``. The header is scanned here rather than by ``gguf.GGUFReader``, which
-parses every vocabulary string into numpy (about 2 s for 49k tokens) before it gives a single
-value; the memory planner calls ``read_config`` for each model, and the tokenizer reads the
-vocabulary through ``read_metadata``. ``checkpoint.open_checkpoint`` is the entry point; this
-module is imported when it meets a GGUF file.
+llama3 ``rope_scaling``. The header is read by laya_core's reader (``models.gguf_header``, in
+0.2 s where ``gguf.GGUFReader`` takes 2 s for 49k tokens): the memory planner calls
+``read_config`` for each model, and the tokenizer reads the vocabulary through
+``read_metadata``. ``checkpoint.open_checkpoint`` is the entry point; this module is imported
+when it meets a GGUF file.
 """
 
 from __future__ import annotations
 
 import math
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,6 @@ from typing import Any
 import attrs
 import numpy as np
 import torch
-from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT
 from gguf.constants import GGMLQuantizationType as Q
 
 from laya_backend_torch.checkpoint import (
@@ -32,6 +30,8 @@ from laya_backend_torch.checkpoint import (
     check_tensor_names,
     llama3_rope_factors,
 )
+from laya_core.models.checks import ModelFileError
+from laya_core.models.gguf_header import HeaderRunsOut, read_gguf_header
 
 __all__ = ["GGUFFile"]
 
@@ -50,8 +50,7 @@ _LAYER_NAMES = {  # GGUF name in block i -> Hugging Face name under model.layers
     **{f"ffn_{p}.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}}
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                  "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
-_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
-            11: "<q", 12: "<d"}  # GGUFValueType -> struct format; 8 is a string, 9 an array
+_KEEP_ITEMS = 512  # longer arrays (the vocabulary) stand for their length, but in read_metadata
 
 
 @attrs.frozen
@@ -63,90 +62,27 @@ class _Tensor:
     nbytes: int
 
 
-class _Header:
-    """A GGUF header parsed from its first bytes: ``meta`` and ``tensors``. Arrays longer
-    than 512 items (the vocabulary) stand for their length unless ``full_arrays``.
-    struct.error: the bytes end first."""
-
-    def __init__(self, data: bytes, file_size: int, full_arrays: bool = False) -> None:
-        self.data, self.pos, self.full_arrays = data, 4, full_arrays
-        if (version := self.take("<I")) not in (2, 3):
-            raise ValueError(f"GGUF version {version}; versions 2 and 3 are read")
-        n_tensors, n_keys = self.take("<Q"), self.take("<Q")
-        self.meta = {self.string(): self.value(self.take("<I")) for _ in range(n_keys)}
-        table = [self.tensor() for _ in range(n_tensors)]
-        align = self.meta.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
-        if type(align) is not int or align < 1 or align & (align - 1):
-            raise ValueError(f"general.alignment {align!r} is not a power of 2")
-        start = -(-self.pos // align) * align
-        self.tensors = {t.name: attrs.evolve(t, offset=start + t.offset) for t in table}
-        if late := [t.name for t in self.tensors.values() if t.offset + t.nbytes > file_size]:
-            raise ValueError(f"truncated: tensor {late[0]} ends past the end of the file")
-
-    def take(self, fmt: str) -> Any:
-        value = struct.unpack_from(fmt, self.data, self.pos)[0]
-        self.pos += struct.calcsize(fmt)
-        return value
-
-    def string(self) -> str:
-        n = self.take("<Q")
-        if self.pos + n > len(self.data):
-            raise struct.error("a string runs past the end")
-        self.pos += n
-        return self.data[self.pos - n:self.pos].decode("utf-8", "replace")
-
-    def value(self, vtype: int) -> Any:
-        if vtype == 8:
-            return self.string()
-        if vtype == 9:
-            etype, count = self.take("<I"), self.take("<Q")
-            if etype == 9:  # llama.cpp reads none either
-                raise ValueError("an array of arrays")
-            if count > 512 and etype in _FORMATS:  # a fixed-size array in one jump
-                start, self.pos = self.pos, self.pos + count * struct.calcsize(_FORMATS[etype])
-                if not self.full_arrays:
-                    return count
-                if self.pos > len(self.data):
-                    raise struct.error("an array runs past the end")
-                return np.frombuffer(self.data, np.dtype(_FORMATS[etype]), count,
-                                     start).tolist()
-            items = [self.value(etype) for _ in range(count)]  # strings are walked
-            return items if count <= 512 or self.full_arrays else count
-        value = self.take(_FORMATS[vtype])  # KeyError: an unknown type
-        # float32 metadata as the decimal it was written from (1e-05, not 9.99999974e-06)
-        return float(str(np.float32(value))) if vtype == 6 else value
-
-    def tensor(self) -> _Tensor:
-        name, n_dims = self.string(), self.take("<I")
-        dims = [self.take("<Q") for _ in range(n_dims)]
-        ttype = Q(self.take("<I"))
-        block, type_size = GGML_QUANT_SIZES[ttype]
-        return _Tensor(name, tuple(reversed(dims)), ttype, self.take("<Q"),
-                       math.prod(dims) // block * type_size)
-
-
 def read_metadata(path: str | Path) -> dict[str, Any]:
     """Every metadata value of a GGUF file, arrays whole (the tokenizer's vocabulary and
     merges): 0.2 s for the embedded model's 49k tokens, where gguf.GGUFReader, which makes
     numpy views of every item, took 3.8 s."""
-    return _read_header(Path(path), full_arrays=True).meta
+    return _read_header(Path(path), full_arrays=True)[0]
 
 
-def _read_header(path: Path, full_arrays: bool = False) -> _Header:
-    """The header alone, read in growing slices (it grows with the vocabulary: 2 MB for 49k
-    tokens, about 8 MB for 128k)."""
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        for length in (1 << 22, 1 << 26, size):
-            f.seek(0)
-            try:
-                return _Header(f.read(length), size, full_arrays)
-            except struct.error:
-                if length >= size:
-                    raise CheckpointError(f"{path}: truncated or corrupt GGUF header") from None
-            except (KeyError, ValueError) as e:
-                raise CheckpointError(f"{path}: corrupt GGUF header ({e})") from None
-    raise AssertionError("unreachable")
+def _read_header(path: Path, full_arrays: bool = False) -> tuple[dict[str, Any],
+                                                                 dict[str, _Tensor]]:
+    """The metadata (float32 values as the decimals they were written from) and the tensors
+    by name in this backend's terms; CheckpointError when the header is damaged."""
+    try:
+        header = read_gguf_header(path, keep_items=None if full_arrays else _KEEP_ITEMS,
+                                  floats_as_written=True)
+    except HeaderRunsOut as e:
+        raise CheckpointError(f"{path}: truncated or corrupt GGUF header ({e.detail})") from None
+    except ModelFileError as e:
+        raise CheckpointError(f"{path}: corrupt GGUF header ({e})") from None
+    return header.metadata, {
+        t.name: _Tensor(t.name, tuple(reversed(t.dims)), t.type, header.data_start + t.offset,
+                        t.nbytes) for t in header.tensors}
 
 
 def _hf_name(gguf_name: str) -> str | None:
@@ -170,8 +106,7 @@ class GGUFFile:
     rope_freqs.weight), every tensor checked; CheckpointError when this backend cannot read it."""
 
     def __init__(self, path: Path) -> None:
-        self.path, header = path, _read_header(path)
-        self.meta, table = header.meta, header.tensors
+        self.path, (self.meta, table) = path, _read_header(path)
         self.by_hf = {hf: t for t in table.values() if (hf := _hf_name(t.name)) is not None}
         if extra := [n for n in table if _hf_name(n) is None and n != "rope_freqs.weight"]:
             raise CheckpointError(f"{path}: tensors a Llama-family decoder does not have: "
