@@ -409,3 +409,19 @@ def test_damaged_checkpoints_are_refused_with_a_reason(tmp_path: Path) -> None:
     for path, message in cases:
         with pytest.raises(CheckpointError, match=message):
             read_config(str(path))
+
+
+def test_hostile_headers_are_refused_with_the_shared_readers_reason(tmp_path: Path) -> None:
+    """The header is read by laya_core.models.gguf_header: a field that runs out, and a version
+    it does not read, are named as the core names them."""
+    import hostile_gguf as hg
+
+    huge = hg.with_huge_string_length(hg.embedded(), tmp_path / "huge.gguf")
+    with pytest.raises(CheckpointError, match=r"truncated or corrupt GGUF header \(at byte 32, "
+                       r"the name of metadata key 0 would take 4611686018427387904 bytes"):
+        read_config(str(huge))
+    v4 = hg.with_version(hg.embedded(), tmp_path / "v4.gguf", 4)
+    with pytest.raises(CheckpointError, match=r"corrupt GGUF header \(GGUF version 4; Laya "
+                       r"reads versions 2 and 3\)"):
+        read_config(str(v4))
+    assert ck.read_metadata(hg.embedded())["llama.attention.layer_norm_rms_epsilon"] == 1e-5
