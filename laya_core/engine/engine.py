@@ -27,6 +27,16 @@ from laya_core.engine.embed_jobs import (
     EmbedJob,
 )
 from laya_core.engine.embed_queue import EmbedQueue, embed_budget
+from laya_core.engine.layer_clock import (
+    BACKEND,
+    DELIVER,
+    DETOKENIZE,
+    LOOP,
+    PREFILL,
+    SCHEDULE,
+    LayerClock,
+    now_ns,
+)
 from laya_core.engine.limits import RequestTooLongError, check_length
 from laya_core.engine.progress import Live
 from laya_core.engine.request import Request
@@ -109,6 +119,9 @@ class Engine:
         self.generated_tokens = 0  # tokens sampled for all sequences, for a live tokens/s
         self.embedded_tokens = 0  # input tokens fed to the backend's embedding passes
         self.embed_passes = 0  # the backend's embed_step calls
+        # Where the engine thread's time goes, layer by layer (laya_core/engine/layer_clock.py);
+        # a worker process adds its step messages' time.
+        self.clock = LayerClock()
         # Sequences ended, by reason (refused ones are in ``rejections``); written by the
         # engine thread only.
         self.finished: dict[FinishReason, int] = dict.fromkeys(_COUNTED_FINISHES, 0)
@@ -302,8 +315,13 @@ class Engine:
         self._ready.set()
         try:
             assert self.scheduler is not None and self._embeds is not None
-            while self._drain_inbox(block=not (self.scheduler.has_work
-                                               or self._embeds.has_work)):
+            while True:
+                idle = not (self.scheduler.has_work or self._embeds.has_work)
+                start = now_ns()
+                if not self._drain_inbox(block=idle):
+                    break
+                if not idle:  # the wait for work is no layer's time
+                    self.clock.add(LOOP, start)
                 self._step()
                 self._embed_next()
         except Exception as e:  # noqa: BLE001 - a plugin's fault fails this replica only
@@ -350,12 +368,16 @@ class Engine:
 
     def _flush(self) -> None:
         """Hand the events gathered so far to their event loops, one wake-up per loop."""
+        if not self._outbox:
+            return
+        start = now_ns()
         outbox, self._outbox = self._outbox, {}
         for loop, events in outbox.items():
             try:
                 loop.call_soon_threadsafe(deliver, events)
             except RuntimeError:  # the loop is closed: nobody is left to read these requests
                 pass
+        self.clock.add(DELIVER, start)
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply queued adds and cancels; returns False once asked to stop."""
@@ -384,7 +406,9 @@ class Engine:
         (``embed_budget``): a decoding sequence, or a request in the inbox, waits at most
         that much embedding work."""
         assert self._embeds is not None and self.sizes is not None
+        start = now_ns()
         plan = self._embeds.plan(embed_budget(self.sizes.max_step_tokens))
+        self.clock.add(LOOP, start)  # the pass itself is no token's time
         if plan is None:
             return
         self._flush()  # this step's tokens go out before the embedding runs
@@ -451,6 +475,7 @@ class Engine:
 
     def _step(self) -> None:
         assert self.scheduler is not None
+        start = now_ns()
         if self.scheduler.waiting:
             deadline = time.perf_counter() - self.config.queue_timeout_s
             self._reject([s for s in self.scheduler.waiting if s.arrival_time < deadline],
@@ -467,14 +492,18 @@ class Engine:
         # A chunk's sequence is gone when an op it needed failed (``_op_failed``).
         chunks = [c for c in plan.chunks if c.seq.seq_id in self._live]
         if not chunks:
+            self.clock.add(SCHEDULE, start)
             self._flush()
             return
         items = [c.item() for c in chunks]
+        layer = PREFILL if any(c.seq.is_prefilling for c in chunks) else BACKEND
+        self.clock.add(SCHEDULE, start)
         # The previous step's tokens and this step's admissions go out just before the model
         # runs: the model call releases the GIL, so the event loop formats and sends them
         # while it runs instead of holding the GIL between two steps (measured at concurrency
         # 1: 0.70 ms between two decodes when sent after the step, against 0.30 without HTTP).
         self._flush()
+        start = now_ns()
         try:
             sampled = self.backend.step(items)
         except Exception as e:  # noqa: BLE001 - fail the step's sequences, keep serving
@@ -483,6 +512,7 @@ class Engine:
                 self._finish(self._live[c.seq.seq_id], FinishReason.ERROR, "",
                              f"{type(e).__name__}: {e}")
             return
+        start = self.clock.add(layer, start)
         for c, result in zip(chunks, sampled, strict=True):
             c.seq.num_computed += len(c.tokens)
             self.scheduler.kv.computed(c.seq)
@@ -494,6 +524,7 @@ class Engine:
                 self._finish(live, FinishReason.ERROR, "", result.error)
             elif result.sample is not None:
                 self._on_token(live, result.sample)
+        self.clock.add(DETOKENIZE, start)
         if not self.scheduler.has_work:
             self._flush()  # no next step to carry them
 

@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from laya_core.engine.layer_clock import HTTP, now_ns
 from laya_core.http import access_log
 from laya_core.http import generation as gen
 from laya_core.http import openai_format as fmt
@@ -163,6 +164,8 @@ class CompletionHandlers:
 
     def _stream(self, runs: list[gen.Running], req: ChatRequest | CompletionRequest,
                 chunk: Callable[[int, Any], dict[str, Any]], base: dict[str, Any]) -> Response:
+        clock = runs[0].client.clock  # the http layer of the replica's tokens
+
         async def events() -> AsyncIterator[str]:
             timings: list[Timing | None] = [None] * len(runs)  # by choice, once finished
             error = None
@@ -174,12 +177,15 @@ class CompletionHandlers:
                         error = failure.code
                         break
                     if event.text or event.finish_reason or event.samples:
+                        start = now_ns()
                         body = chunk(i, event)
                         if event.finish_reason:
                             timings[i] = event.timing
                             body["laya_timing"] = gen.timing_object(runs[i].route_s,
                                                                     event.timing)
-                        yield json.dumps(body)
+                        data = json.dumps(body)
+                        clock.add(HTTP, start)
+                        yield data
                 usage = gen.usage(runs, req.common.n)
                 if req.common.include_usage:
                     yield json.dumps({**base, "choices": [], "usage": usage})
@@ -188,7 +194,7 @@ class CompletionHandlers:
             finally:
                 gen.release_all(runs)
 
-        return SSEResponse(events())  # type: ignore[return-value]
+        return SSEResponse(events(), clock=clock)  # type: ignore[return-value]
 
 
 def _completion_choice(req: CompletionRequest, index: int, run: gen.Running, r: gen.Result,

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from laya_core.engine.layer_clock import merged
 from laya_core.serving.deployment import Deployment
 from laya_core.types import FinishReason
 
@@ -58,6 +59,13 @@ class DeploymentCollector:
         restarts = CounterMetricFamily("laya:replica_restarts",
                                        "Times the replica's worker process was started again "
                                        "after it died or was killed as stuck.", labels=_LABELS)
+        layers = CounterMetricFamily(
+            "laya:engine_layer_seconds", "Seconds spent in each layer of the replica's "
+            "tokens (docs/metrics.md lists the layers).", labels=[*_LABELS, "layer"])
+        steps = CounterMetricFamily("laya:engine_steps", "Engine steps that ran the backend.",
+                                    labels=_LABELS)
+        sampled = CounterMetricFamily("laya:engine_generated_tokens",
+                                      "Tokens the engine sampled, as they come.", labels=_LABELS)
         snap = d.snapshot()
         for client, e in snap.replicas:
             labels = [e.model, str(e.replica_id)]
@@ -77,11 +85,15 @@ class DeploymentCollector:
                 success.add_metric([*labels, _FINISHED_REASON[end]], count)
             for reason, count in e.rejections.items():
                 rejected.add_metric([*labels, reason], count)
+            for layer, seconds in merged(e.layer_seconds, client.clock.seconds()).items():
+                layers.add_metric([*labels, layer], seconds)
+            steps.add_metric(labels, e.num_steps)
+            sampled.add_metric(labels, e.generated_tokens)
         for model, counts in snap.front_rejections.items():
             for reason, count in counts.items():
                 rejected.add_metric([model, "", reason], count)
         yield from (running, waiting, usage, gpu_usage, used, capacity, cached, queries, hits,
-                    hit_seqs, success, rejected, up, restarts)
+                    hit_seqs, success, rejected, up, restarts, layers, steps, sampled)
         yield from _sandbox(d)
         if d.plan is not None:
             budget = GaugeMetricFamily("laya:memory_budget_bytes", "The memory budget in force.")

@@ -17,6 +17,8 @@ from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
+from laya_core.engine.layer_clock import HTTP, LayerClock, now_ns
+
 _PING = {"type": "http.response.body", "body": b": ping\n\n", "more_body": True}
 
 
@@ -24,8 +26,9 @@ class SSEResponse:
     """An ASGI response streaming ``events`` (strings without newlines) as SSE ``data:`` lines."""
 
     def __init__(self, events: AsyncIterator[str], headers: Mapping[str, str] | None = None,
-                 ping_s: float = 15.0) -> None:
+                 ping_s: float = 15.0, clock: LayerClock | None = None) -> None:
         self.events = events
+        self.clock = clock or LayerClock()  # each event's write is charged to its ``http``
         self.headers = dict(headers or {})
         self.ping_s = ping_s
         self._last_send = 0.0
@@ -55,9 +58,11 @@ class SSEResponse:
     async def _stream(self, send: Send) -> None:
         try:
             async for data in self.events:
+                start = now_ns()
                 await send({"type": "http.response.body",
                             "body": b"data: " + data.encode() + b"\n\n", "more_body": True})
                 self._last_send = time.monotonic()
+                self.clock.add(HTTP, start)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             aclose = getattr(self.events, "aclose", None)

@@ -31,6 +31,7 @@ from laya_core.engine.engine import (
     QueueFullError,
     RequestTooLongError,
 )
+from laya_core.engine.layer_clock import BACKEND, PREFILL, LayerClock
 from laya_core.engine.stream import GenerationStream
 from laya_core.models.tokenizer import Tokenizer
 from laya_core.structured.compiler import GrammarCompiler
@@ -82,6 +83,10 @@ class ReplicaSnapshot:
     generated_tokens: int = 0
     # Input tokens fed to embedding passes since then (a cancelled request's stop growing).
     embedded_tokens: int = 0
+    # Seconds per layer on the replica's side since then (laya_core/engine/layer_clock.py),
+    # and the engine steps that ran the backend.
+    layer_seconds: Mapping[str, float] = attrs.field(factory=dict)
+    num_steps: int = 0
 
     @property
     def ready(self) -> bool:
@@ -111,6 +116,9 @@ class EngineClient(abc.ABC):
     def __init__(self, model: str, replica_id: int) -> None:
         self.model = model
         self.replica_id = replica_id
+        # The front end's layers of this replica's tokens (ipc_receive, http); the
+        # replica's own come in its snapshots' layer_seconds.
+        self.clock = LayerClock()
 
     @abc.abstractmethod
     def state(self) -> ReplicaSnapshot:
@@ -177,7 +185,9 @@ class LocalEngineClient(EngineClient):
             prefix_queried_tokens=e.prefix_queried_tokens,
             prefix_tokens_reused=e.prefix_tokens_reused, prefix_hits=e.prefix_hits,
             generated_tokens=e.generated_tokens, embedded_tokens=e.embedded_tokens,
-            finished=dict(e.finished), rejections=dict(e.rejections))
+            finished=dict(e.finished), rejections=dict(e.rejections),
+            layer_seconds=e.clock.seconds(),
+            num_steps=e.clock.calls[BACKEND] + e.clock.calls[PREFILL])
 
     def info(self) -> ReplicaInfo:
         if self._info is None:

@@ -34,6 +34,7 @@ from typing import Any
 
 from laya_core.backend import ModelConfig
 from laya_core.engine.engine import Engine, EngineState, EngineUnavailableError, QueueFullError
+from laya_core.engine.layer_clock import IPC_SEND, now_ns
 from laya_core.replica.client import LocalEngineClient, ReplicaSnapshot, info_of
 from laya_core.replica.protocol import STATE_EVERY_S, Loaded, refusal_of
 from laya_core.types import TokenEvent
@@ -129,9 +130,11 @@ class _Worker:
             self.loop.call_soon(self._flush)
 
     def _flush(self) -> None:
+        start = now_ns()
         self._flush_due = False
         events, self._outbox = self._outbox, []
         self.send(("events", events, self.client.state()))
+        self.engine.clock.add(IPC_SEND, start)  # in the next snapshot
 
     def handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]

@@ -33,6 +33,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from laya_core.backend import Backend, ModelConfig
+from laya_core.engine.layer_clock import IPC_RECEIVE
 from laya_core.logs import resident_bytes
 from laya_core.replica.child_exit import describe_exit
 from laya_core.replica.client import EngineState
@@ -182,6 +183,7 @@ class WorkerEngineClient(RemoteEngineClient):
         try:
             while True:
                 self._dispatch(link.recv())
+                self.clock.add(IPC_RECEIVE, link.received_ns)  # unpickle and dispatch
         except (EOFError, OSError):
             pass
         self._link = None

@@ -29,6 +29,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+from laya_core.engine.layer_clock import now_ns
+
 log = logging.getLogger(__name__)
 # The heartbeat comes every 0.25 s from a thread that needs the GIL for microseconds (the
 # backends' model calls release it), so 10 s of silence is 40 beats missed: the process is
@@ -50,6 +52,7 @@ class WorkerLink:
         self.silence_s = silence_s
         self.started = time.monotonic()
         self.heard: float | None = None  # when the worker last said anything
+        self.received_ns = 0  # perf_counter_ns when the last message's bytes were in
         self.stuck: str | None = None  # why the watchdog killed it
         self._outgoing: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
         self._closed = threading.Event()
@@ -66,9 +69,10 @@ class WorkerLink:
 
     def recv(self) -> Any:
         """The worker's next message (blocking; raises EOFError or OSError once it is gone)."""
-        message = self.conn.recv()
+        data = self.conn.recv_bytes()  # what Connection.recv does, with the wait apart
+        self.received_ns = now_ns()
         self.heard = time.monotonic()
-        return message
+        return ForkingPickler.loads(data)
 
     def close(self) -> None:
         """Stop the threads and close the socket (again: a no-op)."""
