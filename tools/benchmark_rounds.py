@@ -142,14 +142,19 @@ def measure(server: Server, args: argparse.Namespace, log: Path) -> dict[int, di
         for p in busy:
             p.kill()
             p.wait()
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     return {lv["concurrency"]: lv for lv in summary["levels"]}
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a server as its service manager would, killing it after 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def summarize(runs: list[dict[str, Any]], baseline: str) -> dict[str, Any]:
