@@ -30,7 +30,7 @@ define pip_compiling
 	|| { echo "laya: pip failed; the end of $(LOG):"; tail -n 40 $(LOG); exit 1; }
 endef
 
-.PHONY: install serve test test-system-deps lint clean
+.PHONY: install serve test test-fast test-system-deps lint clean
 
 install: $(STAMP)
 
@@ -55,9 +55,18 @@ $(STAMP): pyproject.toml plugins/backend_llamacpp/pyproject.toml plugins/backend
 serve: install
 	$(BIN)/laya serve --host $(HOST) --port $(PORT)
 
-# Listed before install, so a machine that lacks them stops before the long compile.
+# The suite on TEST_WORKERS processes (pytest-xdist), each test file whole in one of them
+# (its model or server loaded once), then the tests marked serial alone: they need every
+# core free. Listed before install, so a machine that lacks them stops before the long compile.
+TEST_WORKERS ?= 2
 test: test-system-deps install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial" || failed=1; \
+	$(BIN)/python -m pytest -m serial || failed=1; \
+	exit $${failed:-0}
+
+# Pure logic: no model, no server, no child process but the sandboxes (tests/conftest.py).
+test-fast: install
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not slow" -q
 
 # Programs the tests run that pip cannot install: Debian's Chromium, which
 # tests/integration/test_dashboard.py drives through Playwright (executable_path, no browser

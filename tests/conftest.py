@@ -16,6 +16,69 @@ from typing import Any
 import httpx
 import pytest
 
+# `make test-fast` runs the tests not marked slow: pure logic, in this process, in under a
+# minute. Slow are the tests under these folders (they load the model or serve it), those
+# that use a fixture below or carry the model or serial marker, and those marked slow by
+# hand; a test left unmarked that starts a process (other than the template and grammar
+# sandboxes) or imports llama.cpp or torch fails, naming what it started.
+SLOW_FOLDERS = frozenset({"integration", "memory", "backend_llamacpp", "backend_torch", "tools",
+                          "examples"})
+SLOW_FIXTURES = frozenset({"smollm_server", "q4_0_model"})
+FAST_MAY_START = ("laya_core.serving.template_sandbox", "laya_core.structured.sandbox")
+MODEL_MODULES = ("llama_cpp", "torch")
+_TESTS = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if (item.path.relative_to(_TESTS).parts[0] in SLOW_FOLDERS
+                or SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+                or item.get_closest_marker("model") or item.get_closest_marker("serial")):
+            item.add_marker(pytest.mark.slow)
+
+
+class _FastWatch:
+    """What a test not marked slow started or imported, from its setup on."""
+
+    started: list[str] | None = None  # None: the running test is marked slow
+    imported_before: frozenset[str] = frozenset()
+
+
+_popen_init = subprocess.Popen.__init__
+
+
+def _watched_popen_init(self: subprocess.Popen[Any], args: Any, *rest: Any, **kw: Any) -> None:
+    if _FastWatch.started is not None:
+        argv = [args] if isinstance(args, str | bytes | os.PathLike) else list(args)
+        if not any(str(a) in FAST_MAY_START for a in argv):
+            _FastWatch.started.append(" ".join(map(str, argv))[:160])
+    _popen_init(self, args, *rest, **kw)
+
+
+subprocess.Popen.__init__ = _watched_popen_init  # type: ignore[method-assign]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    fast = item.get_closest_marker("slow") is None
+    _FastWatch.started = [] if fast else None
+    _FastWatch.imported_before = frozenset(m for m in MODEL_MODULES if m in sys.modules)
+
+
+@pytest.fixture(autouse=True)
+def _fast_stays_fast() -> Iterator[None]:
+    """Fails a test not marked slow that started a process or imported a model's runtime."""
+    yield
+    started, _FastWatch.started = _FastWatch.started, None
+    if started is None:  # marked slow
+        return
+    imported = sorted(m for m in MODEL_MODULES
+                      if m in sys.modules and m not in _FastWatch.imported_before)
+    if started or imported:
+        pytest.fail(f"a test outside the slow set started {started or 'nothing'} and imported "
+                    f"{imported or 'nothing'}: mark it @pytest.mark.slow (tests/conftest.py)",
+                    pytrace=False)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -119,8 +182,11 @@ def smollm_manifest(backend: str) -> str:
 # 16-bit and integer kernels (bfloat16 with the file's int4 layers, quantize "auto"), whose
 # rows are the same bits in any batch, with attention in float64 (/ready's batch_invariant;
 # its float32 kernels are not). One torch thread: two beside a busy process (this one's
-# references, other tests) decode four times slower (spec/manifest.md, n_threads).
-REPEATABLE_OPTIONS = {"llamacpp": "flash_attn = false\nn_threads = 2\n",
+# references, other tests) decode four times slower (spec/manifest.md, n_threads). Two
+# llama.cpp threads alone, one beside another pytest worker (`make test`'s -n 2): its
+# threads spin at each barrier, and two of them on a shared core decode many times slower.
+_LLAMACPP_THREADS = 1 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 else 2
+REPEATABLE_OPTIONS = {"llamacpp": f"flash_attn = false\nn_threads = {_LLAMACPP_THREADS}\n",
                       "torch": 'dtype = "bfloat16"\nn_threads = 1\ndeterministic = true\n'}
 
 

@@ -17,6 +17,9 @@ from laya_core.backend import ModelConfig, StepItem
 from laya_core.builtin.model_paths import embedded_file
 from laya_core.types import SamplingParams
 
+# It needs every core free when the busy processes are gone: no other test beside it.
+pytestmark = pytest.mark.serial
+
 SEQ_LEN = 256
 
 

@@ -241,7 +241,7 @@ def fill_the_queue(url: str, headers: dict[str, str]) -> httpx.Response:
     """A request to "full" while one request runs there and another waits."""
     long = {**CHAT, "model": "full", "max_tokens": 200, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{url}/v1/chat/completions", headers=headers,
-                      json=long) as running:
+                      json=long, timeout=60) as running:
         lines = running.iter_lines()  # held: a dropped iterator closes the connection
         assert next(lines).startswith("data: {")  # running: "full" has one sequence
         with concurrent.futures.ThreadPoolExecutor(1) as pool:

@@ -28,7 +28,8 @@ from laya_core.config import manifest as mf
 from laya_core.memory import planner
 from laya_core.plugins import load_registry
 
-pytestmark = pytest.mark.model
+# serial: two Ray nodes of one CPU each restart a killed actor in time only on free cores.
+pytestmark = [pytest.mark.model, pytest.mark.serial]
 
 MANIFEST = """
 [server]

@@ -57,6 +57,7 @@ def laya(site: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # runs the laya command
 def test_laya_plugins_names_each_broken_package_and_lists_the_rest(site: Path) -> None:
     run = laya(site, "plugins")
     assert run.returncode == 2, run.stdout + run.stderr
@@ -68,6 +69,7 @@ def test_laya_plugins_names_each_broken_package_and_lists_the_rest(site: Path) -
     assert "llamacpp       laya-backend-llamacpp" in run.stdout
 
 
+@pytest.mark.slow  # runs the laya command
 def test_laya_check_reports_them_with_status_2_and_still_checks(site: Path,
                                                                 tmp_path: Path) -> None:
     run = laya(site, "check", "embedded:smollm2-135m-instruct")
@@ -84,6 +86,7 @@ def test_laya_check_reports_them_with_status_2_and_still_checks(site: Path,
     assert "perhaps the one: " in run.stderr and "no scheduler today" in run.stderr
 
 
+@pytest.mark.slow  # runs the laya command
 def test_trace_hooks_logs_each_call_with_its_plugin_and_duration(site: Path) -> None:
     run = laya(site, "check", "--trace-hooks", "embedded:smollm2-135m-instruct")
     traced = [ln for ln in run.stderr.splitlines() if "laya.hooks" in ln]

@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # runs the tool
+
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "benchmark_router.py"
 
 

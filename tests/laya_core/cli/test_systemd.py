@@ -67,6 +67,7 @@ def test_a_manifest_in_tmp_keeps_the_real_tmp(tmp_path: Path) -> None:
     assert "PrivateTmp=no" in lines(systemd.unit(plan, manifest))
 
 
+@pytest.mark.slow  # runs systemd-analyze
 def test_systemd_accepts_the_unit(plan: Plan, tmp_path: Path) -> None:
     # `make test` installs systemd where it is missing (the Makefile's test-system-deps);
     # this test never skips.

@@ -17,6 +17,9 @@ from conftest import ServerProcess
 
 from laya_core.plugins import load_registry
 
+pytestmark = pytest.mark.slow  # each test runs the laya command
+
+
 GOOD = '[[models]]\nname = "m"\npath = "embedded:smollm2-135m-instruct"\n'
 
 

@@ -203,6 +203,7 @@ def test_api_keys_file_must_be_a_small_text_file(tmp_path: Path, make: Any, said
     assert info.value.key == "server.api_keys_file" and said in info.value.message
 
 
+@pytest.mark.slow  # runs laya check
 def test_api_keys_file_at_dev_zero_or_a_fifo_fails_check_quickly(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "fifo")
     for keys in ("/dev/zero", str(tmp_path / "fifo")):
@@ -244,6 +245,7 @@ def laya_check(tmp_path: Path, head: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.slow  # runs laya check
 @pytest.mark.parametrize(("head", "key"), [
     (f"[server]\nmax_body_bytes = {'1' * 400}\n", "server.max_body_bytes"),
     (f'[server]\nmax_body_bytes = "{"1" * 400}"\n', "server.max_body_bytes"),

@@ -22,6 +22,8 @@ from laya_core.serving.deployment import Deployment
 from laya_core.structured import formats
 from laya_core.types import FinishReason, SamplingParams
 
+pytestmark = pytest.mark.slow  # worker processes
+
 TESTS = str(Path(__file__).parents[2])
 
 

@@ -57,6 +57,7 @@ def worker_pid(client: object) -> int:
     return client.pid
 
 
+@pytest.mark.slow  # worker processes
 def test_a_stopped_worker_is_killed_and_restarted_while_its_neighbour_serves(
         monkeypatch: pytest.MonkeyPatch, stopped: list[int]) -> None:
     d = deployment(monkeypatch, timeout_s=3, replicas=2, step_delay_s=0.01)
@@ -97,6 +98,7 @@ def test_a_stopped_worker_is_killed_and_restarted_while_its_neighbour_serves(
         d.stop()
 
 
+@pytest.mark.slow  # worker processes
 def test_the_event_loop_never_waits_on_a_stopped_worker(
         monkeypatch: pytest.MonkeyPatch, stopped: list[int]) -> None:
     """40 long prompts sent to a stopped worker fill its socket many times over (2.4 MB
@@ -135,6 +137,7 @@ def test_the_event_loop_never_waits_on_a_stopped_worker(
         d.stop()
 
 
+@pytest.mark.slow  # worker processes
 def test_a_worker_busy_in_a_long_load_and_a_long_step_is_left_alone(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The heartbeat comes from a thread of its own: a load and a step each twice as long
@@ -154,6 +157,7 @@ def test_a_worker_busy_in_a_long_load_and_a_long_step_is_left_alone(
         d.stop()
 
 
+@pytest.mark.slow  # worker processes
 def test_a_worker_stopped_while_loading_is_killed_and_restarted(
         monkeypatch: pytest.MonkeyPatch, stopped: list[int]) -> None:
     # Stopped before its first word (its interpreter's start), it would have a minute.

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a pytest of its own per backend, two of them on the model
+
 TESTS = Path(__file__).resolve().parents[2]
 # Each with the options under which a sequence's tokens do not depend on its neighbours. The
 # toy reads no weights; the embedded file gives the planner a shape to plan it by.
