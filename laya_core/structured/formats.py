@@ -15,13 +15,20 @@ compiler, off the event loop (:mod:`laya_core.structured.compiler`).
 JSON is generated with bounded whitespace (:data:`DEFAULT_WHITESPACE`): between two JSON
 tokens at most two spaces, or one line break and 32 spaces of indent, so a constrained
 generation cannot spend its tokens on blanks (an unbounded pattern let a small model write
-200 spaces). A schema is always enforced, or refused with the keyword it cannot enforce;
-``strict`` adds OpenAI's strict-mode rule that objects hold only the properties they list.
+200 spaces). Numbers are bounded the same way (:func:`numbers_grammar`): at most
+:data:`MAX_INTEGER_DIGITS` digits before the point, :data:`MAX_FRACTION_DIGITS` after it and
+:data:`MAX_EXPONENT_DIGITS` in the exponent, or as many as the schema's own numbers need, so
+a greedy model cannot write digits until the context ends (``"population": 1112800000...``
+ran for 4,061 tokens). A schema is always enforced, or refused with the keyword it cannot
+enforce; ``strict`` adds OpenAI's strict-mode rule that objects hold only the properties
+they list.
 """
 
 from __future__ import annotations
 
+import decimal
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +38,15 @@ from laya_core.structured.spec import ConstraintSpec, GrammarError
 # One whitespace run between JSON tokens: a pretty-printed layout fits, a runaway does not.
 DEFAULT_WHITESPACE = r"(?:[ ]{0,2}|\n[ ]{0,32})"
 MAX_CHOICES = 4096
+# The digits of a JSON number (docs/structured-output.md): an unsigned 64-bit
+# integer has 20 (int64, 19); a double's 17 significant digits after the 6 zeros that
+# JavaScript still writes before them (0.000000123...) are 23; its exponent goes to 308.
+MAX_INTEGER_DIGITS = 20
+MAX_FRACTION_DIGITS = 23
+MAX_EXPONENT_DIGITS = 3
+# A schema's number past a double's range means nothing more to the matcher (llguidance
+# reads bounds as doubles): 1.8e308 has 309 digits.
+_MOST_DIGITS = 309
 # The request fields that carry an output constraint (tools become one too).
 CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
                      "guided_choice", "guided_grammar", "tools")
@@ -44,6 +60,52 @@ def json_options(whitespace: str | None = None, compact: bool = False) -> dict[s
     if compact:
         return dict(_COMPACT)
     return {"whitespace_flexible": True, "whitespace_pattern": whitespace or DEFAULT_WHITESPACE}
+
+
+def _digits_needed(schema: Any) -> tuple[int, int]:
+    """The integer and fraction digits the numbers in ``schema`` are written with, at most
+    (a ``maximum`` of 10**25 needs 26 before the point, a ``multipleOf`` of 1e-30 30 after
+    it); any number counts, a ``maxLength`` too, which only widens the bound a little."""
+    whole = fraction = 0
+    stack = [schema]
+    while stack:  # the schema passed precheck: its values are bounded
+        value = stack.pop()
+        if isinstance(value, Mapping):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            if isinstance(value, float) and not math.isfinite(value):
+                continue
+            if isinstance(value, int) and abs(value) >= 10 ** _MOST_DIGITS:
+                whole = _MOST_DIGITS
+                continue
+            number = decimal.Decimal(repr(value) if isinstance(value, float) else value)
+            sign, digits, exponent = number.as_tuple()
+            assert isinstance(exponent, int)
+            whole = max(whole, len(digits) + exponent)
+            fraction = max(fraction, -exponent)
+    return min(whole, _MOST_DIGITS), min(fraction, _MOST_DIGITS)
+
+
+def numbers_grammar(schema: Any = None) -> str:
+    """The grammar every JSON output must also match (:attr:`ConstraintSpec.numbers`): any
+    JSON text whose numbers have at most :data:`MAX_INTEGER_DIGITS` digits before the
+    point, :data:`MAX_FRACTION_DIGITS` after it and :data:`MAX_EXPONENT_DIGITS` in the
+    exponent, or more where ``schema``'s own numbers need them. Strings (escapes
+    included) pass unread; a number must be followed by what cannot continue one."""
+    import llguidance
+
+    whole, fraction = _digits_needed(schema)
+    whole = max(whole, MAX_INTEGER_DIGITS)
+    fraction = max(fraction, MAX_FRACTION_DIGITS)
+    number = (rf"-?(?:0|[1-9][0-9]{{0,{whole - 1}}})(?:\.[0-9]{{1,{fraction}}})?"
+              rf"(?:[eE][+-]?[0-9]{{1,{MAX_EXPONENT_DIGITS}}})?")
+    string = r'"(?:[^"\\]|\\(?s:.))*"'
+    other = r'[^"0-9\-]'  # outside strings and numbers
+    after = r'[^"0-9\-+.eE]'  # what may follow a number
+    return llguidance.LLMatcher.grammar_from_regex(
+        rf"(?:{other}|{string}|{number}{after})*(?:{number})?")
 
 
 def closed_schema(schema: Any) -> Any:
@@ -94,7 +156,7 @@ def json_schema(schema: Any, param: str, *, whitespace: str | None = None,
             json.dumps(schema), defaults=json_options(whitespace, compact))  # type: ignore[arg-type]
     except ValueError as e:  # nested deeper than its JSON parser takes, say
         raise GrammarError(param, f"'{param}' cannot be read as a JSON schema: {e}") from None
-    return ConstraintSpec(kind, grammar, param)
+    return ConstraintSpec(kind, grammar, param, numbers=numbers_grammar(schema))
 
 
 def regex(pattern: Any, param: str) -> ConstraintSpec:

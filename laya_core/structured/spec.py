@@ -14,13 +14,17 @@ class ConstraintSpec:
     compile cache's key. With ``convert`` it is the client's own grammar text, Lark or GBNF,
     which the compiler converts (in its child process: the conversion is quadratic in the
     rules, :mod:`laya_core.structured.sandbox`). ``param`` is the request field it came
-    from, for errors.
+    from, for errors. ``numbers``, for JSON, is a second grammar (a regular expression of
+    Laya's own, :func:`laya_core.structured.formats.numbers_grammar`) that the output must
+    match too: it bounds the digits of every JSON number, which llguidance's JSON
+    grammars leave unbounded.
     """
 
     kind: str  # json_schema, json_object, regex, choice, grammar, tools
     grammar: str
     param: str
     convert: bool = False
+    numbers: str = ""
 
 
 class GrammarError(ValueError):

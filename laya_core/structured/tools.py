@@ -38,7 +38,7 @@ from typing import Any
 
 import attrs
 
-from laya_core.structured.formats import closed_schema, json_options
+from laya_core.structured.formats import closed_schema, json_options, numbers_grammar
 from laya_core.structured.spec import ConstraintSpec
 
 OPEN = "<tool_call>"
@@ -100,7 +100,9 @@ def _call_schema(tools: Sequence[Tool]) -> dict[str, Any]:
 
 
 def call_grammar(use: ToolUse, param: str = "tools") -> ConstraintSpec:
-    """The constraint for a request's calls (see the module docstring)."""
+    """The constraint for a request's calls (see the module docstring). A forced call's
+    numbers are bounded as a response format's are; with ``auto`` the text before a call is
+    the model's own, digits included, so they are not."""
     import llguidance
 
     tools = [t for t in use.tools if t.name == use.choice] if use.named else list(use.tools)
@@ -113,7 +115,9 @@ def call_grammar(use: ToolUse, param: str = "tools") -> ConstraintSpec:
                 f'trigger[lazy]: TEXT "{OPEN}"\n'
                 f"body: {body}\n"
                 r"TEXT: /(.|\n)*/" + "\n")
-    return ConstraintSpec("tools", llguidance.LLMatcher.grammar_from_lark(lark), param)
+    numbers = numbers_grammar([t.parameters for t in tools]) if use.forced else ""
+    return ConstraintSpec("tools", llguidance.LLMatcher.grammar_from_lark(lark), param,
+                          numbers=numbers)
 
 
 def call_text(name: str, arguments: str) -> str:

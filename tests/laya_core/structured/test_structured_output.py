@@ -92,6 +92,56 @@ def test_closed_objects_and_choices(compiler: GrammarCompiler) -> None:
     assert allowed(compiler, gbnf, "a") == set("0123456789")
 
 
+DIGITS = set("0123456789")
+
+
+def test_numbers_end_within_their_bounds(compiler: GrammarCompiler) -> None:
+    """A greedy model wrote ``"population": 1112800000...`` until the context ended: the
+    digits of an integer, a fraction and an exponent are bounded, strings are not."""
+    whole = "9" * formats.MAX_INTEGER_DIGITS
+    city = formats.json_schema({"type": "object", "properties": {
+        "population": {"type": "integer"}}}, "x")
+    assert allowed(compiler, city, '{"population": ' + whole[:-1]) >= DIGITS
+    assert not allowed(compiler, city, '{"population": ' + whole) & DIGITS
+    assert allowed(compiler, city, '{"population": -' + whole) == {" ", "\n", ",", "}"}
+    number = formats.json_schema({"type": "number"}, "x")
+    fraction = "0." + "1" * formats.MAX_FRACTION_DIGITS
+    assert allowed(compiler, number, fraction[:-1]) >= DIGITS
+    assert not allowed(compiler, number, fraction) & DIGITS
+    assert "END" in allowed(compiler, number, fraction)
+    exponent = "1e+" + "3" * formats.MAX_EXPONENT_DIGITS
+    assert allowed(compiler, number, exponent[:-1]) >= DIGITS
+    assert allowed(compiler, number, exponent) == {"END"}
+    free = formats.from_body({"response_format": {"type": "json_object"}})
+    assert not allowed(compiler, free, '{"a": [1, ' + whole) & DIGITS
+    # A string's digits are text: '"', escapes and all.
+    assert allowed(compiler, free, '{"a": "\\"' + whole * 3) >= DIGITS
+    forced = call_grammar(ToolUse((Tool("f", None, {"type": "object", "properties": {
+        "n": {"type": "number"}}}),), "required"))
+    assert not allowed(compiler, forced, '<tool_call>\n{"name": "f", "arguments": {"n": '
+                       + whole) & DIGITS
+
+
+def test_ordinary_numbers_pass_and_a_schema_may_need_more_digits(
+        compiler: GrammarCompiler) -> None:
+    def accepts(schema: Any, text: str) -> bool:
+        spec = formats.json_schema(schema, "x")
+        return all(text[i] in allowed(compiler, spec, text[:i]) for i in range(len(text))) \
+            and "END" in allowed(compiler, spec, text)
+
+    for text in ("0", "-7", "42", "3.25", "-0.5e-3", "6.02E+23", "1e308", "-1.7976931348623157e308",
+                 "0.000001234567890123456", "18446744073709551615"):
+        assert accepts({"type": "number"}, text), text
+    assert accepts({"type": "array", "items": {"type": "integer"}}, "[1, -20, 300]")
+    # A schema's own numbers with more digits than the bounds make room for them
+    # (llguidance itself takes no bound of 1e19 or more on an integer or a number).
+    assert not accepts({"type": "number"}, "1" * 25)
+    assert accepts({"anyOf": [{"type": "number"}, {"const": 1e24}]}, "1" * 25)
+    assert not accepts({"type": "number"}, "0." + "1" * 26)
+    assert accepts({"type": "number", "minimum": 1e-26}, "0." + "1" * 26)
+    assert formats._digits_needed({"maximum": 10**400, "minimum": 1e-5}) == (309, 5)
+
+
 def test_a_matcher_that_was_fed_what_it_forbids_allows_nothing(
         compiler: GrammarCompiler) -> None:
     constraint = compiler.constraint(formats.json_schema({"type": "object"}, "x"))
