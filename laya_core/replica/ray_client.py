@@ -174,17 +174,8 @@ class RayEngineClient(RemoteEngineClient):
                 for message in ray.get(self._actor.events.remote(POLL_S)):
                     self._dispatch(message)
         except ray.exceptions.RayActorError as e:
-            if self._stopping.is_set():
-                self._lose_all(f"{self.model} replica {self.replica_id} stopped")
-                return Outcome.STOPPED
-            why = (f"the Ray actor of {self.model} replica {self.replica_id} died "
-                   f"({_short(e)}); retry")
-            self._error = why
-            self._set_state(EngineState.LOADING)
-            self._lose_all(why)
-            self.restarts += 1
-            log.error("%s", why)
-            return Outcome.DIED
+            return self._ended(f"the Ray actor of {self.model} replica {self.replica_id} died "
+                               f"({_short(e)}); retry", log)
         return Outcome.STOPPED
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -266,6 +267,20 @@ class RemoteEngineClient(EngineClient):
             _call(loop, deliver, items)
         for loop, future in embeds.values():
             _call(loop, _fail, future, EngineUnavailableError(why))
+
+    def _ended(self, why: str, log: logging.Logger) -> Outcome:
+        """The child is gone: every request it held ends, with ``why`` unless this client
+        was stopping. Logged on the transport's ``log``, as its other lines are."""
+        if self._stopping.is_set():
+            self._lose_all(f"{self.model} replica {self.replica_id} stopped")
+            return Outcome.STOPPED
+        self._error = why
+        self._set_state(EngineState.LOADING)
+        self._lose_all(why)
+        if self.restarts_itself:  # the supervisor counts the restarts it makes itself
+            self.restarts += 1
+        log.error("%s", why)
+        return Outcome.DIED
 
     def _set_state(self, state: EngineState) -> None:
         self._state = state

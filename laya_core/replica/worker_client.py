@@ -189,16 +189,8 @@ class WorkerEngineClient(RemoteEngineClient):
         self._link = None
         link.close()  # what was queued for the worker goes with it
         code = proc.wait()
-        if self._stopping.is_set():
-            self._lose_all(f"{self.model} replica {self.replica_id} stopped")
-            return Outcome.STOPPED
-        why = (f"the worker process of {self.model} replica {self.replica_id} "
-               f"{link.stuck or _died(code)}; retry")
-        self._error = why
-        self._set_state(EngineState.LOADING)
-        self._lose_all(why)
-        log.error("%s", why)
-        return Outcome.DIED
+        return self._ended(f"the worker process of {self.model} replica {self.replica_id} "
+                           f"{link.stuck or _died(code)}; retry", log)
 
     def _relay_output(self, proc: subprocess.Popen[bytes]) -> None:
         """The worker's stderr to this process's, line by line, keeping the last lines."""
