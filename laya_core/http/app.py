@@ -21,6 +21,7 @@ from laya_core.http.hosts import HostCheckMiddleware, host_rule
 from laya_core.http.metrics import metrics_registry
 from laya_core.http.model_cards import model_routes
 from laya_core.http.observe import Observer
+from laya_core.http.responses import response_routes
 from laya_core.http.tokens import token_routes
 from laya_core.serving.deployment import Deployment
 
@@ -33,7 +34,8 @@ def create_app(deployment: Deployment) -> Starlette:
     routes = [
         *health_routes(deployment, registry),  # /health, /ready, /metrics
         *model_routes(deployment),  # /v1/models, /v1/models/{model}
-        *completion_routes(deployment, Observer(registry, window)),
+        *completion_routes(deployment, observer := Observer(registry, window)),
+        *response_routes(deployment, observer),  # /v1/responses, on the chat path
         *embedding_routes(deployment),
         *token_routes(deployment),  # /tokenize, /detokenize
         *live_routes(deployment, window),  # the live page and GET /live

@@ -1,0 +1,261 @@
+"""POST /v1/responses (OpenAI's Responses API), run on the chat completions path.
+
+A request becomes a chat request (:mod:`laya_core.http.responses_format`) and runs as one:
+the same prompt, constraint and tool-call parser, so at temperature 0 its text is chat's.
+The response is a ``response`` object with ``message`` and ``function_call`` output items;
+streamed, the documented events with a ``sequence_number`` each, from ``response.created``
+to ``response.completed`` (``response.incomplete`` when ``max_output_tokens`` cut it).
+
+Responses are not stored: ``store`` is accepted and answered ``false``, a
+``previous_response_id`` is refused, and GET or DELETE of an id is a 404 naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from laya_core.engine.layer_clock import HTTP, now_ns
+from laya_core.http import generation as gen
+from laya_core.http.body import json_body
+from laya_core.http.completions import CompletionHandlers
+from laya_core.http.errors import APIError
+from laya_core.http.observe import Observer
+from laya_core.http.responses_format import ResponsesRequest, parse_responses, renamed
+from laya_core.http.sse import SSEResponse
+from laya_core.serving.deployment import Deployment
+from laya_core.structured.tools import ToolCallParser
+from laya_core.types import FinishReason, Timing
+
+
+def response_routes(deployment: Deployment, observer: Observer) -> list[Route]:
+    handlers = ResponseHandlers(CompletionHandlers(deployment, observer))
+    return [Route("/v1/responses", handlers.create, methods=["POST"]),
+            Route("/v1/responses/{response_id}", handlers.stored, methods=["GET", "DELETE"])]
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def response_usage(usage: dict[str, Any]) -> dict[str, Any]:
+    """Chat's usage object in the Responses API's names."""
+    return {"input_tokens": usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens":
+                                     usage["prompt_tokens_details"]["cached_tokens"]},
+            "output_tokens": usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage["total_tokens"]}
+
+
+def _message(text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
+    return {"type": "message", "id": item_id or _id("msg"), "status": status,
+            "role": "assistant", "content": [_part(text)]}
+
+
+def _part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _call(call: dict[str, Any], status: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": _id("fc"), "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+            "status": status}
+
+
+class ResponseHandlers:
+    def __init__(self, chat: CompletionHandlers) -> None:
+        self.chat = chat  # its start, collect and bookkeeping, shared
+
+    async def stored(self, request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        raise APIError(404, f"no response with id {response_id!r}: this server does not store "
+                       "responses", param="response_id", code="not_found")
+
+    def _object(self, req: ResponsesRequest, response_id: str, created: int, status: str,
+                output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
+        return {"id": response_id, "object": "response", "created_at": created,
+                "status": status, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"}
+                if status == "incomplete" else None,
+                "model": req.chat.common.model, "output": output,
+                "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
+                "store": False, "truncation": "disabled", **req.echo,
+                "usage": response_usage(usage) if usage is not None else None}
+
+    async def create(self, request: Request) -> Response:
+        body = await json_body(request, self.chat.server)
+        if isinstance(body, dict) and (body.get("text") or body.get("tools")):
+            req = await asyncio.to_thread(parse_responses, body)  # schemas: see _parsed
+        else:
+            req = parse_responses(body)
+        try:
+            runs, _, _ = await self.chat._start(request, req.chat, "resp", "response")
+        except APIError as e:
+            raise renamed(e) from None
+        response_id, created = _id("resp"), int(time.time())
+        if req.chat.common.stream:
+            return self._stream(req, runs, response_id, created)
+        (result,) = await self.chat._collect(request, runs, req.chat)
+        output: list[dict[str, Any]] = []
+        status = "incomplete" if result.finish is FinishReason.LENGTH else "completed"
+        text = result.text
+        if req.chat.tools:
+            parser = ToolCallParser()
+            text = "".join(v for kind, v in parser.feed(text) + parser.finish()
+                           if kind == "content")
+            calls = [_call(c, status) for c in parser.calls]
+        else:
+            calls = []
+        if text or not calls:
+            output.append(_message(text, status))
+        output += calls
+        usage = gen.usage(runs, 1)
+        self.chat._finished(runs, req.chat, [result.timing], usage)
+        body = self._object(req, response_id, created, status, output, usage)
+        return JSONResponse(body, headers={"Server-Timing": gen.server_timing(
+            runs[0].route_s, result.timing)})
+
+    def _stream(self, req: ResponsesRequest, runs: list[gen.Running], response_id: str,
+                created: int) -> Response:
+        clock = runs[0].client.clock
+        events = _Events(self, req, response_id, created)
+
+        async def stream() -> AsyncIterator[str]:
+            timing: Timing | None = None
+            error = None
+            try:
+                yield events.emit("response.created", response=events.snapshot("in_progress"))
+                yield events.emit("response.in_progress",
+                                  response=events.snapshot("in_progress"))
+                async for _, event in gen.merged(runs):
+                    if event.finish_reason is FinishReason.ERROR:
+                        failure = gen.engine_error(event)
+                        error = failure.code
+                        yield events.emit("error", code=failure.code, message=failure.message,
+                                          param=None)
+                        break
+                    start = now_ns()
+                    last = event.finish_reason is not None
+                    for data in events.text(event.text, last):
+                        yield data
+                    if last:
+                        timing = event.timing
+                        status = "incomplete" if event.finish_reason is FinishReason.LENGTH \
+                            else "completed"
+                        for data in events.close(status):
+                            yield data
+                        usage = gen.usage(runs, 1)
+                        yield events.emit(f"response.{status}",
+                                          response=events.snapshot(status, usage))
+                    clock.add(HTTP, start)
+                usage = gen.usage(runs, 1)
+                self.chat._finished(runs, req.chat, [timing], usage, error)
+            finally:
+                gen.release_all(runs)
+
+        return SSEResponse(stream(), clock=clock)  # type: ignore[return-value]
+
+
+class _Events:
+    """The events of one streamed response, numbered, with the output items they build."""
+
+    def __init__(self, handlers: ResponseHandlers, req: ResponsesRequest, response_id: str,
+                 created: int) -> None:
+        self.handlers, self.req = handlers, req
+        self.response_id, self.created = response_id, created
+        self.sequence = 0
+        self.output: list[dict[str, Any]] = []  # the items done
+        self.open: dict[str, Any] | None = None  # the item being written
+        self.parser = ToolCallParser() if req.chat.tools else None
+
+    def emit(self, kind: str, **fields: Any) -> str:
+        """One event; its ``event:`` field follows the data line (SSE takes fields in any
+        order), as OpenAI names each event."""
+        data = json.dumps({"type": kind, "sequence_number": self.sequence, **fields})
+        self.sequence += 1
+        return f"{data}\nevent: {kind}"
+
+    def snapshot(self, status: str, usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self.handlers._object(self.req, self.response_id, self.created, status,
+                                     list(self.output), usage)
+
+    def text(self, text: str, last: bool) -> list[str]:
+        if self.parser is None:
+            return self._content(text) if text else []
+        out: list[str] = []
+        for kind, value in self.parser.feed(text) + (self.parser.finish() if last else []):
+            if kind == "content":
+                out += self._content(value)
+            elif "id" in value:  # a new call
+                out += self._close_open("completed")
+                item = {**_call({"id": value["id"], "function": {
+                    "name": value["function"]["name"], "arguments": ""}}, "in_progress")}
+                self.open = item
+                out.append(self.emit("response.output_item.added",
+                                     output_index=len(self.output), item=dict(item)))
+                if value["function"].get("arguments"):
+                    out += self._arguments(value["function"]["arguments"])
+            else:
+                out += self._arguments(value["function"]["arguments"])
+        return out
+
+    def _content(self, text: str) -> list[str]:
+        out: list[str] = []
+        if self.open is None or self.open["type"] != "message":
+            out += self._close_open("completed")
+            self.open = _message("", "in_progress")
+            item = {**self.open, "content": []}
+            out.append(self.emit("response.output_item.added",
+                                 output_index=len(self.output), item=item))
+            out.append(self.emit("response.content_part.added", item_id=self.open["id"],
+                                 output_index=len(self.output), content_index=0,
+                                 part=_part("")))
+        self.open["content"][0]["text"] += text
+        out.append(self.emit("response.output_text.delta", item_id=self.open["id"],
+                             output_index=len(self.output), content_index=0, delta=text,
+                             logprobs=[]))
+        return out
+
+    def _arguments(self, delta: str) -> list[str]:
+        assert self.open is not None
+        self.open["arguments"] += delta
+        return [self.emit("response.function_call_arguments.delta", item_id=self.open["id"],
+                          output_index=len(self.output), delta=delta)]
+
+    def _close_open(self, status: str) -> list[str]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        item["status"] = status
+        index = len(self.output)
+        out: list[str] = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            out.append(self.emit("response.output_text.done", item_id=item["id"],
+                                 output_index=index, content_index=0, text=part["text"],
+                                 logprobs=[]))
+            out.append(self.emit("response.content_part.done", item_id=item["id"],
+                                 output_index=index, content_index=0, part=part))
+        else:
+            out.append(self.emit("response.function_call_arguments.done", item_id=item["id"],
+                                 output_index=index, name=item["name"],
+                                 arguments=item["arguments"]))
+        out.append(self.emit("response.output_item.done", output_index=index, item=item))
+        self.output.append(item)
+        return out
+
+    def close(self, status: str) -> list[str]:
+        """The open item's end; a response with no output item gets an empty message."""
+        out: list[str] = []
+        if self.open is None and not self.output:
+            out += self._content("")
+        return out + self._close_open(status)

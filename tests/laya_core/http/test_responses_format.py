@@ -1,0 +1,66 @@
+"""A Responses API body becomes the chat request it means; what is not implemented is a 400
+naming the Responses field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from laya_core.http.errors import APIError
+from laya_core.http.responses_format import parse_responses
+
+
+def _parse(**body: Any) -> Any:
+    return parse_responses({"model": "m", "input": "Hi", **body})
+
+
+def test_a_string_and_instructions_become_messages() -> None:
+    req = _parse(instructions="Be brief.", max_output_tokens=7, temperature=0.5,
+                 metadata={"k": "v"}, store=True)
+    assert req.chat.messages == ({"role": "system", "content": "Be brief."},
+                                 {"role": "user", "content": "Hi"})
+    assert req.chat.common.max_tokens == 7 and req.chat.common.temperature == 0.5
+    assert req.chat.common.max_tokens_param == "max_output_tokens"
+    assert req.echo["metadata"] == {"k": "v"} and req.chat.tools is None
+
+
+def test_items_become_a_tool_conversation() -> None:
+    req = _parse(input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+        {"type": "reasoning", "summary": []},
+        {"type": "function_call", "call_id": "c1", "name": "w", "arguments": '{"a": 1}'},
+        {"type": "function_call", "call_id": "c2", "name": "w", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+    ], tools=[{"type": "function", "name": "w"}], tool_choice={"type": "function", "name": "w"})
+    user, calls, output = req.chat.messages
+    assert user == {"role": "user", "content": "Weather?"}
+    assert [c["id"] for c in calls["tool_calls"]] == ["c1", "c2"]
+    assert output == {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
+    assert req.chat.tools is not None and req.chat.tools.choice == "w"
+
+
+def test_text_format_is_the_chat_constraint() -> None:
+    req = _parse(text={"format": {"type": "json_schema", "name": "x",
+                                  "schema": {"type": "object"}}})
+    assert req.chat.common.constraint is not None
+    assert _parse(text={"format": {"type": "text"}}).chat.common.constraint is None
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"tools": [{"type": "web_search_preview"}]}, "tools[0].type"),
+    ({"tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]},
+     "input[0].content[0].type"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"metadata": {"k": 1}}, "metadata"),
+    ({"input": []}, "input"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+])
+def test_refusals_name_the_responses_field(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(APIError) as e:
+        _parse(**body)
+    assert e.value.status == 400 and e.value.param == param, e.value.message
