@@ -18,6 +18,7 @@ from laya_core.http.embeddings import embedding_routes
 from laya_core.http.errors import exception_handlers
 from laya_core.http.health import health_routes
 from laya_core.http.hosts import HostCheckMiddleware, host_rule
+from laya_core.http.messages import message_routes
 from laya_core.http.metrics import metrics_registry
 from laya_core.http.model_cards import model_routes
 from laya_core.http.observe import Observer
@@ -36,6 +37,7 @@ def create_app(deployment: Deployment) -> Starlette:
         *model_routes(deployment),  # /v1/models, /v1/models/{model}
         *completion_routes(deployment, observer := Observer(registry, window)),
         *response_routes(deployment, observer),  # /v1/responses, on the chat path
+        *message_routes(deployment, observer),  # Anthropic's /v1/messages, on the chat path
         *embedding_routes(deployment),
         *token_routes(deployment),  # /tokenize, /detokenize
         *live_routes(deployment, window),  # the live page and GET /live

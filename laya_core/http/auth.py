@@ -1,4 +1,5 @@
-"""Bearer API keys, compared in constant time. A plain ASGI middleware."""
+"""API keys, compared in constant time: a Bearer token, or Anthropic's ``x-api-key`` header
+(which the anthropic SDK sends). A plain ASGI middleware."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from laya_core.http.anthropic_format import error_response
 from laya_core.http.errors import APIError
 
 
@@ -16,9 +18,11 @@ class ApiKeyMiddleware:
         self.keys = [k.encode() for k in keys]
         self.open_paths = open_paths
 
-    def _allowed(self, header: bytes) -> bool:
+    def _allowed(self, header: bytes, x_api_key: bytes | None) -> bool:
         scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer":
+        if x_api_key is not None and scheme.lower() != b"bearer":
+            token = x_api_key
+        elif scheme.lower() != b"bearer":
             return False
         token = token.strip()
         # Check every key, so the time taken does not tell which one nearly matched.
@@ -28,12 +32,16 @@ class ApiKeyMiddleware:
         if scope["type"] != "http" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        if self._allowed(header):
+        headers = dict(scope["headers"])
+        if self._allowed(headers.get(b"authorization", b""), headers.get(b"x-api-key")):
             await self.app(scope, receive, send)
             return
         error = APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
                          code="invalid_api_key")
-        response = error.response()
+        if scope["path"].startswith("/v1/messages"):  # Anthropic's API, Anthropic's shape
+            error.message = "a valid API key is required: send 'x-api-key: <key>'"
+            response = error_response(error)
+        else:
+            response = error.response()
         response.headers["WWW-Authenticate"] = "Bearer"  # RFC 6750 §3: a 401 names its scheme
         await response(scope, receive, send)

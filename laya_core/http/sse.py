@@ -23,7 +23,10 @@ _PING = {"type": "http.response.body", "body": b": ping\n\n", "more_body": True}
 
 
 class SSEResponse:
-    """An ASGI response streaming ``events`` (strings without newlines) as SSE ``data:`` lines."""
+    """An ASGI response streaming ``events`` (strings without newlines) as SSE ``data:`` lines.
+    A subclass with another ``prefix`` (``b""``) sends events it frames itself."""
+
+    prefix = b"data: "
 
     def __init__(self, events: AsyncIterator[str], headers: Mapping[str, str] | None = None,
                  ping_s: float = 15.0, clock: LayerClock | None = None) -> None:
@@ -60,7 +63,7 @@ class SSEResponse:
             async for data in self.events:
                 start = now_ns()
                 await send({"type": "http.response.body",
-                            "body": b"data: " + data.encode() + b"\n\n", "more_body": True})
+                            "body": self.prefix + data.encode() + b"\n\n", "more_body": True})
                 self._last_send = time.monotonic()
                 self.clock.add(HTTP, start)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
