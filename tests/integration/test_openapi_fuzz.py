@@ -45,6 +45,7 @@ def served_spec(tmp_path: Path) -> Path:
     for name in ("ChatRequest", "CompletionRequest"):
         schemas[name]["allOf"][1]["properties"]["model"] = {"enum": ["smollm2"]}
     schemas["ResponsesRequest"]["properties"]["model"] = {"enum": ["smollm2"]}
+    schemas["AnthropicConversation"]["properties"]["model"] = {"enum": ["smollm2"]}
     for path in ("/tokenize", "/detokenize"):
         body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]
         body["schema"]["properties"]["model"] = {"enum": ["smollm2"]}
