@@ -6,8 +6,11 @@ The response is a ``response`` object with ``message`` and ``function_call`` out
 streamed, the documented events with a ``sequence_number`` each, from ``response.created``
 to ``response.completed`` (``response.incomplete`` when ``max_output_tokens`` cut it).
 
-Responses are not stored: ``store`` is accepted and answered ``false``, a
-``previous_response_id`` is refused, and GET or DELETE of an id is a 404 naming it.
+Unless ``store`` is false, a response is kept in a bounded in-memory store
+(:mod:`laya_core.http.response_store`) for GET and DELETE /v1/responses/{id} and for a
+later ``previous_response_id``, whose conversation then comes before the new input (its
+prompt a prefix of the new one, so the prefix cache serves it); an id not (or no longer)
+stored is a 404 naming it.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from laya_core.engine.layer_clock import HTTP, now_ns
 from laya_core.http import generation as gen
 from laya_core.http.body import json_body
 from laya_core.http.completions import CompletionHandlers
-from laya_core.http.errors import APIError
+from laya_core.http.errors import APIError, invalid
 from laya_core.http.observe import Observer
+from laya_core.http.response_store import ResponseStore, output_messages
 from laya_core.http.responses_format import ResponsesRequest, parse_responses, renamed
 from laya_core.http.sse import SSEResponse
 from laya_core.serving.deployment import Deployment
@@ -74,11 +78,27 @@ def _call(call: dict[str, Any], status: str) -> dict[str, Any]:
 class ResponseHandlers:
     def __init__(self, chat: CompletionHandlers) -> None:
         self.chat = chat  # its start, collect and bookkeeping, shared
+        self.store = ResponseStore()
+
+    def _stored(self, response_id: str, param: str) -> Any:
+        stored = self.store.get(response_id)
+        if stored is None:
+            raise APIError(404, f"no stored response with id {response_id!r} (responses sent "
+                           "with store false, deleted or past the store's bound are not kept)",
+                           param=param, code="not_found")
+        return stored
 
     async def stored(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
-        raise APIError(404, f"no response with id {response_id!r}: this server does not store "
-                       "responses", param="response_id", code="not_found")
+        stored = self._stored(response_id, "response_id")
+        if request.method == "DELETE":
+            self.store.delete(response_id)
+            return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+        return JSONResponse(stored.response)
+
+    def _keep(self, req: ResponsesRequest, body: dict[str, Any]) -> None:
+        if req.store:
+            self.store.put(body, [*req.conversation, *output_messages(body["output"])])
 
     def _object(self, req: ResponsesRequest, response_id: str, created: int, status: str,
                 output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
@@ -87,16 +107,24 @@ class ResponseHandlers:
                 "incomplete_details": {"reason": "max_output_tokens"}
                 if status == "incomplete" else None,
                 "model": req.chat.common.model, "output": output,
-                "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
-                "store": False, "truncation": "disabled", **req.echo,
+                "reasoning": {"effort": None, "summary": None},
+                "store": req.store, "truncation": "disabled", **req.echo,
                 "usage": response_usage(usage) if usage is not None else None}
 
     async def create(self, request: Request) -> Response:
         body = await json_body(request, self.chat.server)
+        history = ()
+        previous = body.get("previous_response_id") if isinstance(body, dict) else None
+        if previous is not None:
+            if not isinstance(previous, str):
+                raise invalid("previous_response_id", "'previous_response_id' must be a "
+                              "string", "invalid_type")
+            history = self._stored(previous, "previous_response_id").conversation
         if isinstance(body, dict) and (body.get("text") or body.get("tools")):
-            req = await asyncio.to_thread(parse_responses, body)  # schemas: see _parsed
+            # Checking schemas takes time the event loop must not wait for (see _parsed).
+            req = await asyncio.to_thread(parse_responses, body, history)
         else:
-            req = parse_responses(body)
+            req = parse_responses(body, history)
         try:
             runs, _, _ = await self.chat._start(request, req.chat, "resp", "response")
         except APIError as e:
@@ -121,6 +149,7 @@ class ResponseHandlers:
         usage = gen.usage(runs, 1)
         self.chat._finished(runs, req.chat, [result.timing], usage)
         body = self._object(req, response_id, created, status, output, usage)
+        self._keep(req, body)
         return JSONResponse(body, headers={"Server-Timing": gen.server_timing(
             runs[0].route_s, result.timing)})
 
@@ -153,9 +182,9 @@ class ResponseHandlers:
                             else "completed"
                         for data in events.close(status):
                             yield data
-                        usage = gen.usage(runs, 1)
-                        yield events.emit(f"response.{status}",
-                                          response=events.snapshot(status, usage))
+                        final = events.snapshot(status, gen.usage(runs, 1))
+                        self._keep(req, final)
+                        yield events.emit(f"response.{status}", response=final)
                     clock.add(HTTP, start)
                 usage = gen.usage(runs, 1)
                 self.chat._finished(runs, req.chat, [timing], usage, error)

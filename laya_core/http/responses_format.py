@@ -6,8 +6,10 @@ into chat's nested ones, ``max_output_tokens`` into ``max_tokens``) and parsed b
 :func:`parse_chat`, so both APIs share one validation, one prompt and one constraint. An
 error names the Responses field, not the chat field it became (:func:`renamed`).
 
-What is not implemented is refused with a 400 naming it: ``previous_response_id`` and the
-other stored-state fields, hosted tool types, input items other than messages with text
+A ``previous_response_id``'s conversation (:mod:`laya_core.http.response_store`) comes
+before ``input``, and its instructions are not carried over, as OpenAI continues one.
+What is not implemented is refused with a 400 naming it: the other stored-state fields
+(``conversation``, ``prompt``, ``background``), hosted tool types, input items other than messages with text
 parts, function calls, their outputs and reasoning items (a reasoning item is accepted and
 left out of the prompt, as chat templates leave past reasoning out).
 """
@@ -30,7 +32,7 @@ MAX_METADATA = 16
 # Fields that would need stored state or features this server does not have, with the values
 # that mean "off"; anything else is refused, naming the field.
 _UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
-    "previous_response_id": (None,), "conversation": (None,), "prompt": (None,),
+    "conversation": (None,), "prompt": (None,),
     "background": (None, False), "include": (None, []), "truncation": (None, "disabled"),
     "top_logprobs": (None, 0), "max_tool_calls": (None,), "reasoning": (None, {}),
 }
@@ -48,6 +50,10 @@ class ResponsesRequest:
 
     chat: ChatRequest
     echo: dict[str, Any]  # instructions, metadata, text, tools, tool_choice, ...
+    # The conversation so far as chat messages, without instructions: a previous
+    # response's, then this input (what a stored response continues from).
+    conversation: tuple[dict[str, Any], ...] = ()
+    store: bool = True
 
 
 def renamed(e: APIError) -> APIError:
@@ -83,15 +89,13 @@ def _text(content: Any, param: str) -> str:
     return "".join(parts)
 
 
-def _messages(raw: Any, instructions: str | None) -> list[dict[str, Any]]:
-    """Chat messages from ``input``, after ``instructions`` as a system message."""
+def _messages(raw: Any) -> list[dict[str, Any]]:
+    """Chat messages from ``input``."""
     out: list[dict[str, Any]] = []
-    if instructions:
-        out.append({"role": "system", "content": instructions})
     if isinstance(raw, str):
         if not raw:
             raise invalid("input", "'input' must not be empty", "missing")
-        return [*out, {"role": "user", "content": raw}]
+        return [{"role": "user", "content": raw}]
     if not isinstance(raw, list) or not raw:
         raise invalid("input", "'input' must be a string or a non-empty array of items",
                       "missing" if raw is None or raw == [] else "invalid_type")
@@ -193,21 +197,24 @@ def _metadata(raw: Any) -> dict[str, str]:
     return dict(raw)
 
 
-def parse_responses(body: Any) -> ResponsesRequest:
+def parse_responses(body: Any, history: tuple[dict[str, Any], ...] = ()) -> ResponsesRequest:
+    """``body`` parsed; ``history``: the conversation of its ``previous_response_id``."""
     if not isinstance(body, Mapping):
         raise invalid("body", "the request body must be a JSON object", "invalid_type")
     for name, off in _UNSUPPORTED_UNLESS.items():
         if body.get(name) not in off:
-            raise invalid(name, f"'{name}' is not supported by this server yet"
-                          + (" (responses are not stored)" if name == "previous_response_id"
-                             else "") + "; remove it", "unsupported_parameter")
+            raise invalid(name, f"'{name}' is not supported by this server yet; remove it",
+                          "unsupported_parameter")
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise invalid("instructions", "'instructions' must be a string", "invalid_type")
-    if not isinstance(body.get("store", True), bool):
+    store = body.get("store")
+    if store is not None and not isinstance(store, bool):
         raise invalid("store", "'store' must be a boolean", "invalid_type")
     metadata = _metadata(body.get("metadata"))
-    chat: dict[str, Any] = {"messages": _messages(body.get("input"), instructions)}
+    conversation = [*history, *_messages(body.get("input"))]
+    system = [{"role": "system", "content": instructions}] if instructions else []
+    chat: dict[str, Any] = {"messages": [*system, *conversation]}
     for name in ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "user"):
         if name in body:
             chat[name] = body[name]
@@ -234,5 +241,6 @@ def parse_responses(body: Any) -> ResponsesRequest:
             "tool_choice": body.get("tool_choice") or ("auto" if body.get("tools") else "none"),
             "tools": list(body.get("tools") or []),
             "text": {"format": (text or {}).get("format") or {"type": "text"}},
-            "user": body.get("user")}
-    return ResponsesRequest(req, echo)
+            "user": body.get("user"),
+            "previous_response_id": body.get("previous_response_id")}
+    return ResponsesRequest(req, echo, tuple(conversation), store is not False)

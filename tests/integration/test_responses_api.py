@@ -31,7 +31,7 @@ def test_a_string_input_answers_with_a_message_and_usage(client: openai.OpenAI) 
     (item,) = r.output
     assert item.type == "message" and item.role == "assistant"
     assert item.content[0].type == "output_text" and r.output_text
-    assert r.metadata == {"run": "1"} and r.store is False
+    assert r.metadata == {"run": "1"} and r.store is False and r.previous_response_id is None
     assert r.usage is not None and r.usage.input_tokens > 5
     assert 0 < r.usage.output_tokens <= 200
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
@@ -162,7 +162,7 @@ def test_a_streamed_function_call(client: openai.OpenAI) -> None:
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"background": True}, "background"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0].type"),
@@ -185,7 +185,48 @@ def test_what_is_not_implemented_is_a_400_naming_it(smollm_server: ServerProcess
     assert error["type"] == "invalid_request_error" and error["message"]
 
 
-def test_stored_responses_are_not_kept(smollm_server: ServerProcess) -> None:
+def test_unknown_ids_are_a_404_naming_them(smollm_server: ServerProcess) -> None:
     for method in ("GET", "DELETE"):
         r = httpx.request(method, f"{smollm_server.url}/v1/responses/resp_abc", timeout=30)
         assert r.status_code == 404 and "resp_abc" in r.json()["error"]["message"]
+    r = httpx.post(f"{smollm_server.url}/v1/responses", timeout=30, json={
+        "model": "smollm2", "input": "Hi", "previous_response_id": "resp_gone"})
+    assert r.status_code == 404, r.text
+    assert r.json()["error"]["param"] == "previous_response_id"
+    assert "resp_gone" in r.json()["error"]["message"]
+
+
+def test_stored_responses_are_got_continued_and_deleted(client: openai.OpenAI) -> None:
+    first = client.responses.create(model="smollm2", input=QUESTION, instructions=INSTRUCTIONS,
+                                    max_output_tokens=16, temperature=0)
+    assert first.store is True
+    got = client.responses.retrieve(first.id)
+    assert got.id == first.id and got.output_text == first.output_text
+    follow = client.responses.create(model="smollm2", input="And three more?",
+                                     previous_response_id=first.id, instructions=INSTRUCTIONS,
+                                     max_output_tokens=16, temperature=0)
+    assert follow.previous_response_id == first.id
+    chat = client.chat.completions.create(
+        model="smollm2", max_tokens=16, temperature=0,
+        messages=[{"role": "system", "content": INSTRUCTIONS},
+                  {"role": "user", "content": QUESTION},
+                  {"role": "assistant", "content": first.output_text},
+                  {"role": "user", "content": "And three more?"}])
+    assert follow.output_text == chat.choices[0].message.content
+    assert follow.usage is not None and first.usage is not None
+    assert follow.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    unkept = client.responses.create(model="smollm2", input="Hi", max_output_tokens=2,
+                                     store=False)
+    assert unkept.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)
+
+
+def test_a_streamed_response_is_stored_too(client: openai.OpenAI) -> None:
+    events = list(client.responses.create(model="smollm2", input=QUESTION,
+                                          max_output_tokens=8, temperature=0, stream=True))
+    final = events[-1].response
+    assert client.responses.retrieve(final.id).output_text == final.output_text

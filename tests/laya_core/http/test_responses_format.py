@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from laya_core.http.errors import APIError
+from laya_core.http.response_store import ResponseStore, output_messages
 from laya_core.http.responses_format import parse_responses
 
 
@@ -48,7 +49,7 @@ def test_text_format_is_the_chat_constraint() -> None:
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"conversation": "conv_1"}, "conversation"),
     ({"tools": [{"type": "web_search_preview"}]}, "tools[0].type"),
     ({"tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name"),
     ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]},
@@ -64,3 +65,30 @@ def test_refusals_name_the_responses_field(body: dict[str, Any], param: str) -> 
     with pytest.raises(APIError) as e:
         _parse(**body)
     assert e.value.status == 400 and e.value.param == param, e.value.message
+
+
+def test_a_previous_conversation_comes_before_the_input_without_its_instructions() -> None:
+    history = ({"role": "user", "content": "One?"}, {"role": "assistant", "content": "1"})
+    req = parse_responses({"model": "m", "input": "Two?", "instructions": "New."}, history)
+    assert req.chat.messages[0] == {"role": "system", "content": "New."}
+    assert req.chat.messages[1:3] == history
+    assert req.conversation == (*history, {"role": "user", "content": "Two?"})
+
+
+def test_the_store_keeps_the_newest_within_its_bounds() -> None:
+    store = ResponseStore(max_responses=2, max_chars=10_000)
+    for i in range(3):
+        store.put({"id": f"r{i}", "output": []}, [{"role": "user", "content": "x"}])
+    assert store.get("r0") is None and store.get("r1") and store.get("r2") and len(store) == 2
+    store.put({"id": "big", "output": []}, [{"role": "user", "content": "x" * 9_000}])
+    assert store.get("big") and store.get("r1") is None and store.chars <= 10_000
+    store.put({"id": "huge", "output": []}, [{"role": "user", "content": "x" * 20_000}])
+    assert store.get("huge") is None  # larger than the store: not kept
+    assert store.delete("big") and not store.delete("big") and store.chars <= 10_000
+
+
+def test_output_items_become_one_assistant_message() -> None:
+    output = [{"type": "message", "content": [{"type": "output_text", "text": "Hm."}]},
+              {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]
+    (message,) = output_messages(output)
+    assert message["content"] == "Hm." and message["tool_calls"][0]["id"] == "c"
