@@ -96,6 +96,13 @@ def test_tools(client: anthropic.Anthropic) -> None:
     assert m.stop_reason == "tool_use", m.content
     call = next(b for b in m.content if b.type == "tool_use")
     assert call.name == "get_weather" and isinstance(call.input, dict) and "city" in call.input
+    counted = client.messages.count_tokens(model="smollm2", messages=asked, tools=[WEATHER],  # type: ignore[list-item]
+                                           tool_choice=ONE_CALL)  # type: ignore[arg-type]
+    assert counted.input_tokens == m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)
+    plain = client.messages.create(model="smollm2", messages=asked, max_tokens=16,
+                                   extra_body=GREEDY, tools=[WEATHER],  # type: ignore[list-item]
+                                   tool_choice={"type": "none"})
+    assert plain.stop_reason != "tool_use" and all(b.type == "text" for b in plain.content)
     with client.messages.stream(model="smollm2", messages=asked, max_tokens=80, extra_body=GREEDY,
                                 tools=[WEATHER],  # type: ignore[list-item]
                                 tool_choice=ONE_CALL) as stream:
