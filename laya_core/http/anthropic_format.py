@@ -113,6 +113,12 @@ def _blocks(content: Any, param: str) -> list[Mapping[str, Any]]:
     return content
 
 
+def _text_of(block: Mapping[str, Any], at: str) -> str:
+    if not isinstance(block.get("text"), str):
+        raise invalid(f"{at}.text", "a text block needs 'text', a string", "missing")
+    return block["text"]
+
+
 def _user(content: Any, param: str) -> list[dict[str, Any]]:
     """A user turn as chat messages: a tool message per tool_result, then the text."""
     out: list[dict[str, Any]] = []
@@ -120,9 +126,7 @@ def _user(content: Any, param: str) -> list[dict[str, Any]]:
     for j, block in enumerate(_blocks(content, param)):
         at, kind = f"{param}[{j}]", block["type"]
         if kind == "text":
-            if not isinstance(block.get("text"), str):
-                raise invalid(f"{at}.text", "a text block needs 'text', a string", "missing")
-            texts.append(block["text"])
+            texts.append(_text_of(block, at))
         elif kind == "tool_result":
             call_id = block.get("tool_use_id")
             if not isinstance(call_id, str) or not call_id:
@@ -153,9 +157,7 @@ def _assistant(content: Any, param: str) -> dict[str, Any]:
     for j, block in enumerate(_blocks(content, param)):
         at, kind = f"{param}[{j}]", block["type"]
         if kind == "text":
-            if not isinstance(block.get("text"), str):
-                raise invalid(f"{at}.text", "a text block needs 'text', a string", "missing")
-            texts.append(block["text"])
+            texts.append(_text_of(block, at))
         elif kind == "tool_use":
             call_id, name, args = block.get("id"), block.get("name"), block.get("input", {})
             if not isinstance(call_id, str) or not isinstance(name, str):
