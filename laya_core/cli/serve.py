@@ -12,7 +12,7 @@ from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config
 
 from laya_core.config.manifest import Manifest, ServerConfig
-from laya_core.engine.engine import EngineState
+from laya_core.engine.state import EngineState
 from laya_core.http import create_app
 from laya_core.memory.ledger import Plan
 from laya_core.plugins import Registry

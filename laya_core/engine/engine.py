@@ -8,25 +8,19 @@ into its request's asyncio queue: the loop wakes once per step, not once per tok
 from __future__ import annotations
 
 import asyncio
-import enum
 import itertools
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 from laya_core.backend import Backend, ModelConfig, ModelInfo
 from laya_core.engine.allowed_tokens import NO_TOKEN_ALLOWED, TokenConstraint
 from laya_core.engine.detokenizer import IncrementalDetokenizer
-from laya_core.engine.embed_jobs import (
-    EmbedCancel,
-    Embeddings,
-    EmbeddingsUnsupportedError,
-    EmbedJob,
-)
-from laya_core.engine.embed_queue import EmbedQueue, embed_budget
+from laya_core.engine.embed_jobs import EmbedCancel, Embeddings, EmbedJob
+from laya_core.engine.embed_queue import EmbedQueue
+from laya_core.engine.embedding import embed_next, queue_embed
 from laya_core.engine.layer_clock import (
     BACKEND,
     DELIVER,
@@ -37,11 +31,12 @@ from laya_core.engine.layer_clock import (
     LayerClock,
     now_ns,
 )
-from laya_core.engine.limits import RequestTooLongError, check_length
+from laya_core.engine.limits import check_length
 from laya_core.engine.progress import Live
 from laya_core.engine.request import Request
 from laya_core.engine.scheduler import Scheduler, SchedulerConfig
-from laya_core.engine.stream import ADMITTED, GenerationStream, deliver
+from laya_core.engine.state import EngineState, EngineUnavailableError, QueueFullError
+from laya_core.engine.stream import ADMITTED, EventSink, GenerationStream, deliver
 from laya_core.kv.policies import KVCache, KVOp
 from laya_core.memory.ledger import scored_tokens_per_step, sizes_for
 from laya_core.models.tokenizer import Tokenizer
@@ -52,27 +47,6 @@ _IDLE_POLL_S = 0.5
 # The ends counted in Engine.finished; a REJECTED one is a refusal, counted in rejections.
 _COUNTED_FINISHES = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.CANCELLED,
                      FinishReason.ERROR)
-
-
-class EventSink(Protocol):
-    """What takes a request's events on its event loop (an ``asyncio.Queue`` does)."""
-
-    def put_nowait(self, event: TokenEvent) -> None: ...
-
-
-class EngineState(enum.Enum):
-    LOADING = "loading"
-    READY = "ready"
-    FAILED = "failed"
-    STOPPED = "stopped"
-
-
-class EngineUnavailableError(RuntimeError):
-    """The replica is loading, failed to load, or has stopped."""
-
-
-class QueueFullError(RuntimeError):
-    """As many requests wait for room as the queue holds."""
 
 
 class Engine:
@@ -182,34 +156,9 @@ class Engine:
         """Queue an embed request (token ids per input); call from the event loop that
         awaits the future. It waits in the same queue as generation requests, and runs on
         the engine thread after each step, in what the step left of its token budget.
-        Cancelling the future (its caller went away) drops what is left of it."""
-        if self.state is not EngineState.READY:
-            raise EngineUnavailableError(
-                f"{self.config.name} replica {self.replica_id} is {self.state.value}")
-        if not self.backend.supports_embeddings:
-            raise EmbeddingsUnsupportedError(
-                f"the {self.backend.name} backend cannot compute embeddings")
-        if not self.config.embeddings:
-            raise EmbeddingsUnsupportedError(
-                f"embeddings are off for {self.config.name} (embeddings = true turns them on)")
-        if not inputs or not all(inputs):
-            raise ValueError("every input must hold at least one token")
-        longest = max(map(len, inputs))
-        if longest > self.max_seq_len:
-            raise RequestTooLongError(
-                f"an input has {longest} tokens, more than this model's max_seq_len of "
-                f"{self.max_seq_len}; shorten it")
-        self._take_place()
-        loop = loop or asyncio.get_running_loop()
-        job = EmbedJob(inputs, loop, loop.create_future())
-        self._inbox.put(job)
-
-        def cancelled(future: asyncio.Future[Embeddings]) -> None:
-            if future.cancelled():
-                self._inbox.put(EmbedCancel(job))
-
-        job.future.add_done_callback(cancelled)
-        return job.future
+        Cancelling the future (its caller went away) drops what is left of it
+        (laya_core/engine/embedding.py)."""
+        return queue_embed(self, inputs, loop)
 
     def _take_place(self) -> None:
         """Count one more request waiting, or raise :class:`QueueFullError`."""
@@ -323,7 +272,7 @@ class Engine:
                 if not idle:  # the wait for work is no layer's time
                     self.clock.add(LOOP, start)
                 self._step()
-                self._embed_next()
+                embed_next(self)  # laya_core/engine/embedding.py
         except Exception as e:  # noqa: BLE001 - a plugin's fault fails this replica only
             self._fail(e)
         finally:
@@ -400,27 +349,6 @@ class Engine:
                 self._embeds.cancel(payload.job)
             elif (live := self._live.get(payload)) is not None:
                 self._finish(live, FinishReason.CANCELLED, "")
-
-    def _embed_next(self) -> None:
-        """One embedding pass after a step, of a quarter of the step's token budget
-        (``embed_budget``): a decoding sequence, or a request in the inbox, waits at most
-        that much embedding work."""
-        assert self._embeds is not None and self.sizes is not None
-        start = now_ns()
-        plan = self._embeds.plan(embed_budget(self.sizes.max_step_tokens))
-        self.clock.add(LOOP, start)  # the pass itself is no token's time
-        if plan is None:
-            return
-        self._flush()  # this step's tokens go out before the embedding runs
-        self.embed_passes += 1
-        self.embedded_tokens += plan.num_tokens
-        try:
-            vectors = self.backend.embed_step(plan)
-        except Exception as e:  # noqa: BLE001 - those requests fail, the replica serves on
-            log.exception("embedding failed")
-            self._embeds.failed(plan, RuntimeError(f"embedding failed: {type(e).__name__}: {e}"))
-            return
-        self._embeds.computed(plan, vectors)
 
     def _add(self, live: Live) -> None:
         assert self.scheduler is not None

@@ -10,11 +10,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Protocol
 
 from laya_core.types import TokenEvent, Usage
 
 # Sent when a sequence joins the batch: the HTTP layer answers only once a request runs.
 ADMITTED = TokenEvent("", (), admitted=True)
+
+
+class EventSink(Protocol):
+    """What takes a request's events on its event loop (an ``asyncio.Queue`` does)."""
+
+    def put_nowait(self, event: TokenEvent) -> None: ...
 
 
 def deliver(events: list[tuple[asyncio.Queue[TokenEvent], TokenEvent]]) -> None:

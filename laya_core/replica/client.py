@@ -24,14 +24,10 @@ import attrs
 
 from laya_core.backend import ModelInfo
 from laya_core.engine.embed_jobs import Embeddings, EmbeddingsUnsupportedError
-from laya_core.engine.engine import (
-    Engine,
-    EngineState,
-    EngineUnavailableError,
-    QueueFullError,
-    RequestTooLongError,
-)
+from laya_core.engine.engine import Engine
 from laya_core.engine.layer_clock import BACKEND, PREFILL, LayerClock
+from laya_core.engine.limits import RequestTooLongError
+from laya_core.engine.state import EngineState, EngineUnavailableError, QueueFullError
 from laya_core.engine.stream import GenerationStream
 from laya_core.models.tokenizer import Tokenizer
 from laya_core.structured.compiler import GrammarCompiler

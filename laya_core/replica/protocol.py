@@ -34,7 +34,8 @@ from typing import Any
 import attrs
 
 from laya_core.engine.embed_jobs import EmbeddingsUnsupportedError
-from laya_core.engine.engine import EngineUnavailableError, QueueFullError, RequestTooLongError
+from laya_core.engine.limits import RequestTooLongError
+from laya_core.engine.state import EngineUnavailableError, QueueFullError
 from laya_core.replica.client import ReplicaInfo, ReplicaSnapshot
 from laya_core.structured.spec import GrammarError
 

@@ -33,8 +33,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from laya_core.backend import ModelConfig
-from laya_core.engine.engine import Engine, EngineState, EngineUnavailableError, QueueFullError
+from laya_core.engine.engine import Engine
 from laya_core.engine.layer_clock import IPC_SEND, now_ns
+from laya_core.engine.state import EngineState, EngineUnavailableError, QueueFullError
 from laya_core.replica.client import LocalEngineClient, ReplicaSnapshot, info_of
 from laya_core.replica.protocol import STATE_EVERY_S, Loaded, refusal_of
 from laya_core.types import TokenEvent

@@ -19,7 +19,8 @@ import attrs
 
 from laya_core.backend import ModelConfig, ModelInfo
 from laya_core.config.manifest import Manifest
-from laya_core.engine.engine import Engine, EngineState
+from laya_core.engine.engine import Engine
+from laya_core.engine.state import EngineState
 from laya_core.logs import resident_bytes
 from laya_core.memory.ledger import Plan
 from laya_core.plugins import Registry

@@ -7,7 +7,8 @@ import asyncio
 import pytest
 from toy_backend import started_engine
 
-from laya_core.engine.engine import Engine, RequestTooLongError
+from laya_core.engine.engine import Engine
+from laya_core.engine.limits import RequestTooLongError
 from laya_core.types import FinishReason, SamplingParams
 
 

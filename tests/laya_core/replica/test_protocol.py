@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from laya_core.engine.engine import QueueFullError, RequestTooLongError
+from laya_core.engine.limits import RequestTooLongError
+from laya_core.engine.state import QueueFullError
 from laya_core.replica.protocol import refusal_of, refused
 from laya_core.structured.spec import GrammarError
 
