@@ -1,5 +1,6 @@
 """POST /v1/messages and POST /v1/messages/count_tokens: Anthropic's Messages API, run on
-the chat path (the body translated by :mod:`laya_core.http.anthropic_format`).
+the chat path (the body translated by :mod:`laya_core.http.anthropic_requests`, results
+shaped back by :mod:`laya_core.http.anthropic_format`).
 
 Every error these routes answer is in Anthropic's shape (``{"type": "error", "error":
 {"type", "message"}}``), the message starting with the field it is about.
@@ -17,6 +18,7 @@ from starlette.routing import Route
 
 from laya_core.http import anthropic_format as fmt
 from laya_core.http import generation as gen
+from laya_core.http.anthropic_requests import parse_messages, renamed
 from laya_core.http.body import json_body
 from laya_core.http.completion_requests import ChatRequest
 from laya_core.http.completions import CompletionHandlers
@@ -60,8 +62,8 @@ async def _parse(body: Any, count_only: bool = False) -> ChatRequest:
     """The chat request; on a worker thread when there are tools (their schemas are
     compiled into the call grammar)."""
     if isinstance(body, dict) and body.get("tools"):
-        return await asyncio.to_thread(fmt.parse_messages, body, count_only)
-    return fmt.parse_messages(body, count_only)
+        return await asyncio.to_thread(parse_messages, body, count_only)
+    return parse_messages(body, count_only)
 
 
 class MessageHandlers:
@@ -87,7 +89,7 @@ class MessageHandlers:
         try:
             runs, _, token_bytes = await self.chat._start(request, req, "msg", "message")
         except APIError as e:
-            raise fmt.renamed(e) from None
+            raise renamed(e) from None
         id_, model = fmt.new_id(), req.common.model
         if req.common.stream:
             return self._stream(runs, req, id_, token_bytes)
