@@ -32,13 +32,14 @@ from laya_core.engine.layer_clock import (
     now_ns,
 )
 from laya_core.engine.limits import check_length
+from laya_core.engine.loading import build_scheduler
 from laya_core.engine.progress import Live
 from laya_core.engine.request import Request
-from laya_core.engine.scheduler import Scheduler, SchedulerConfig
+from laya_core.engine.scheduler import Scheduler
 from laya_core.engine.state import EngineState, EngineUnavailableError, QueueFullError
 from laya_core.engine.stream import ADMITTED, EventSink, GenerationStream, deliver
 from laya_core.kv.policies import KVCache, KVOp
-from laya_core.memory.ledger import scored_tokens_per_step, sizes_for
+from laya_core.memory.ledger import sizes_for
 from laya_core.models.tokenizer import Tokenizer
 from laya_core.types import FinishReason, Sample, SamplingParams, TokenEvent, Usage
 
@@ -232,20 +233,10 @@ class Engine:
         # A planned config has every size decided; a hand-made one is decided here by the
         # same computation as `laya plan`'s.
         self.sizes = sizes = sizes_for(self.config, self.info.n_ctx_train)
-        assert sizes.max_seq_len and sizes.max_num_seqs and sizes.kv_cache_tokens
+        assert sizes.max_seq_len
         self.max_seq_len = sizes.max_seq_len
-        num_seqs, pool_tokens = sizes.max_num_seqs, sizes.kv_cache_tokens
-        if self._cache_cls.layout != self.backend.kv_layout:
-            raise ValueError(
-                f"the cache policy {self._cache_cls.__name__} serves the "
-                f"{self._cache_cls.layout} KV layout; the {self.backend.name} backend's is "
-                f"{self.backend.kv_layout}: choose a cache_policy for it, or leave it auto")
-        kv = self._cache_cls(pool_tokens, num_seqs, prefix_caching=self.config.prefix_caching)
-        kv.allocate(self.backend)
-        step_tokens = sizes.max_step_tokens
-        sched_config = SchedulerConfig(
-            num_seqs, step_tokens, max_scored_tokens=scored_tokens_per_step(step_tokens))
-        self.scheduler = self._scheduler_cls(sched_config, kv)
+        self.scheduler = build_scheduler(self.config, sizes, self.backend,
+                                         self._scheduler_cls, self._cache_cls)
         self._embeds = EmbedQueue(self.max_seq_len, self.backend.max_embed_inputs,
                                   self.backend.embeds_in_chunks, self._dequeued)
         if self._on_loaded is not None:
