@@ -20,15 +20,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem, StepResult
+from laya_core.config import manifest as mf
 from laya_core.engine.allowed_tokens import NO_TOKEN_ALLOWED
 from laya_core.engine.engine import Engine
 from laya_core.engine.scheduler import FcfsScheduler
 from laya_core.hookspecs import hookimpl
-from laya_core.kv.policies import PagedKVCache
 from laya_core.kv.hashing import BLOCK_SIZE
+from laya_core.kv.policies import PagedKVCache
 from laya_core.models.tokenizer import Tokenizer
+from laya_core.plugins import load_registry
+from laya_core.serving.deployment import Deployment
 from laya_core.types import Sample, SamplingParams
 
 END = 256
@@ -158,6 +163,21 @@ class ToyPlugin:
 
 
 PLUGIN = ToyPlugin()
+
+
+def toy_deployment(workdir: Path, models: list[dict[str, Any]],
+                   server: dict[str, Any] | None = None) -> Deployment:
+    """A deployment of ``models`` on the toy backend, not yet started: each model's table
+    gets ``backend = "toy"`` and an empty weights file in ``workdir`` as its ``path`` (the
+    toy reads none); ``server`` is the manifest's ``[server]`` table."""
+    weights = workdir / "toy.bin"
+    weights.write_bytes(b"")
+    registry = load_registry([PLUGIN])
+    tables: dict[str, Any] = {
+        "models": [{"backend": "toy", "path": str(weights), **model} for model in models]}
+    if server is not None:
+        tables["server"] = server
+    return Deployment(mf.resolve(mf.from_dict(tables), registry), registry)
 
 
 def started_engine(**config: object) -> Engine:

@@ -8,33 +8,19 @@ from typing import Any
 
 import httpx
 import pytest
-from toy_backend import ToyBackend
+from toy_backend import toy_deployment
 
-from laya_core.config import manifest as mf
-from laya_core.hookspecs import hookimpl
 from laya_core.http import create_app
-from laya_core.plugins import load_registry
 from laya_core.serving.deployment import Deployment
 
 KEY = "sk-test-0123456789"
 
 
-class ToyPlugin:
-    @hookimpl
-    def register_backends(self, register):  # type: ignore[no-untyped-def]
-        register("toy", ToyBackend)
-
-
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    weights = tmp_path_factory.mktemp("toy") / "toy.bin"
-    weights.write_bytes(b"")
-    registry = load_registry([ToyPlugin()])
-    manifest = mf.resolve(mf.from_dict({
-        "server": {"api_keys": [KEY], "max_body_bytes": 4096},
-        "models": [{"name": "toy", "backend": "toy", "path": str(weights), "max_seq_len": 64,
-                    "max_num_seqs": 2}]}), registry)
-    d = Deployment(manifest, registry)
+    d = toy_deployment(tmp_path_factory.mktemp("toy"),
+                       [{"name": "toy", "max_seq_len": 64, "max_num_seqs": 2}],
+                       server={"api_keys": [KEY], "max_body_bytes": 4096})
     d.start()
     assert d.wait_ready(10)
     yield d

@@ -10,14 +10,13 @@ from typing import Any
 
 import httpx
 import pytest
-from test_http_errors import KEY, ToyPlugin
+from test_http_errors import KEY
+from toy_backend import toy_deployment
 
-from laya_core.config import manifest as mf
 from laya_core.http import create_app
 from laya_core.http.anthropic_format import matched_stop
 from laya_core.http.anthropic_requests import parse_messages
 from laya_core.http.errors import APIError
-from laya_core.plugins import load_registry
 from laya_core.serving.deployment import Deployment
 
 HI = [{"role": "user", "content": "Hello there"}]
@@ -25,14 +24,9 @@ HI = [{"role": "user", "content": "Hello there"}]
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    weights = tmp_path_factory.mktemp("toy") / "toy.bin"
-    weights.write_bytes(b"")
-    registry = load_registry([ToyPlugin()])
-    manifest = mf.resolve(mf.from_dict({
-        "server": {"api_keys": [KEY]},
-        "models": [{"name": "toy", "backend": "toy", "path": str(weights), "max_seq_len": 256,
-                    "max_num_seqs": 2}]}), registry)
-    d = Deployment(manifest, registry)
+    d = toy_deployment(tmp_path_factory.mktemp("toy"),
+                       [{"name": "toy", "max_seq_len": 256, "max_num_seqs": 2}],
+                       server={"api_keys": [KEY]})
     d.start()
     assert d.wait_ready(10)
     yield d

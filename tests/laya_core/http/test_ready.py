@@ -6,28 +6,15 @@ import asyncio
 from pathlib import Path
 
 import httpx
-from toy_backend import ToyBackend
+from toy_backend import toy_deployment
 
-from laya_core.config import manifest as mf
-from laya_core.hookspecs import hookimpl
 from laya_core.http import create_app
-from laya_core.plugins import load_registry
 from laya_core.serving.deployment import Deployment
 
 
-class ToyPlugin:
-    @hookimpl
-    def register_backends(self, register):  # type: ignore[no-untyped-def]
-        register("toy", ToyBackend)
-
-
 def deployment(tmp_path: Path, options: list[dict]) -> Deployment:
-    weights = tmp_path / "toy.bin"
-    weights.write_bytes(b"")
-    registry = load_registry([ToyPlugin()])
-    models = [{"name": f"toy{i}", "backend": "toy", "path": str(weights), "max_seq_len": 32,
-               "max_num_seqs": 1, "options": o} for i, o in enumerate(options)]
-    return Deployment(mf.resolve(mf.from_dict({"models": models}), registry), registry)
+    return toy_deployment(tmp_path, [{"name": f"toy{i}", "max_seq_len": 32, "max_num_seqs": 1,
+                                      "options": o} for i, o in enumerate(options)])
 
 
 def get(d: Deployment, path: str) -> httpx.Response:
