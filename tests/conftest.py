@@ -153,11 +153,13 @@ embeddings = true
 
 
 @contextlib.contextmanager
-def serving(manifest_text: str, workdir: Path) -> Iterator[ServerProcess]:
-    """A ready ``laya serve`` of ``manifest_text``; stopped afterwards, and it must exit 0."""
+def serving(manifest_text: str, workdir: Path,
+            api_key: str | None = None) -> Iterator[ServerProcess]:
+    """A ready ``laya serve`` of ``manifest_text``; stopped afterwards, and it must exit 0.
+    ``api_key``: the key its /ready needs, where the manifest sets ``api_keys``."""
     server = ServerProcess(manifest_text, workdir)
     try:
-        server.wait_ready()
+        server.wait_ready(api_key=api_key)
         yield server
     finally:
         code = server.stop()

@@ -11,7 +11,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from conftest import FRONT_END_BACKENDS, SMOLLM_MANIFEST, ServerProcess
+from conftest import FRONT_END_BACKENDS, SMOLLM_MANIFEST, ServerProcess, serving
 
 MESSAGES: list[anthropic.types.MessageParam] = [
     {"role": "user", "content": "Name three colours."}]
@@ -139,17 +139,10 @@ def test_errors_in_anthropic_shape(smollm_server: ServerProcess,
     assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
 
 
-@contextlib.contextmanager
-def keyed_server(workdir: Path) -> Iterator[ServerProcess]:
+def keyed_server(workdir: Path) -> contextlib.AbstractContextManager[ServerProcess]:
     manifest = SMOLLM_MANIFEST.replace("[server]\n", f'[server]\napi_keys = ["{KEY}"]\n')
     manifest = manifest.replace('backend = "llamacpp"', f'backend = "{FRONT_END_BACKENDS[0]}"')
-    server = ServerProcess(manifest, workdir)
-    try:
-        server.wait_ready(api_key=KEY)
-        yield server
-    finally:
-        code = server.stop()
-    assert code == 0, server.log()
+    return serving(manifest, workdir, api_key=KEY)
 
 
 def test_x_api_key(tmp_path: Path) -> None:

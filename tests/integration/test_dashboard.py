@@ -24,7 +24,7 @@ import jsonschema
 import psutil
 import pytest
 import yaml
-from conftest import ServerProcess
+from conftest import ServerProcess, serving
 from playwright.sync_api import Browser, Page, sync_playwright
 
 from laya_core.units import fmt_bytes
@@ -56,13 +56,8 @@ NUM_STREAMS = 64
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    server = ServerProcess(MANIFEST, tmp_path_factory.mktemp("dashboard_server"))
-    try:
-        server.wait_ready(api_key=KEY)
-        yield server
-    finally:
-        code = server.stop()
-    assert code == 0, server.log()
+    with serving(MANIFEST, tmp_path_factory.mktemp("dashboard_server"), api_key=KEY) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
