@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -28,6 +27,9 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+import benchmark_rounds as rounds  # noqa: E402 - beside this file
 
 MANIFEST = """
 [server]
@@ -114,17 +116,10 @@ def main() -> None:
     (work / "laya.toml").write_text(MANIFEST.format(
         port=args.port, engine=args.engine, max_seq_len=max(1024, args.tokens),
         max_step_tokens=args.max_step_tokens))
-    server = subprocess.Popen([sys.executable, "-m", "laya_core.cli.main", "serve",
-                               str(work / "laya.toml")],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = rounds.Server("laya", [sys.executable, "-m", "laya_core.cli.main", "serve",
+                                    str(work / "laya.toml")], "/ready", args.port)
+    proc = server.start(work / "laya.log", timeout_s=600)
     try:
-        for _ in range(1200):
-            try:
-                if get(f"{base}/ready").get("ready"):
-                    break
-            except OSError:
-                pass
-            time.sleep(0.5)
         big = {"model": "smollm2", "input": inputs(args.inputs, args.tokens)}
         chat(base, args.chat_tokens)  # warm
         alone = [chat(base, args.chat_tokens) for _ in range(3)]
@@ -165,8 +160,7 @@ def main() -> None:
                                                                      range(1000, 3048)]})
         print(f"2,048 one-token inputs: {time.perf_counter() - start:.1f} s")
     finally:
-        server.terminate()
-        server.wait(60)
+        rounds.stop(proc)
 
 
 if __name__ == "__main__":

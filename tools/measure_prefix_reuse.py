@@ -12,10 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import benchmark_rounds as rounds  # noqa: E402 - beside this file
 
 WORDS = ("river stone lantern orchard quiet market signal harbor violet copper meadow "
          "engine winter candle bridge paper falcon garden thunder mirror").split()
@@ -44,18 +48,12 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=4)
     args = ap.parse_args()
     base = f"http://127.0.0.1:{args.port}"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "laya_core.cli.main", "serve", "embedded:smollm2-135m-instruct",
-         "--max-num-seqs", str(args.max_num_seqs), "--port", str(args.port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = rounds.Server(
+        "laya", [sys.executable, "-m", "laya_core.cli.main", "serve",
+                 "embedded:smollm2-135m-instruct", "--max-num-seqs", str(args.max_num_seqs),
+                 "--port", str(args.port)], "/ready", args.port)
+    proc = server.start(Path(tempfile.mkdtemp()) / "laya.log", timeout_s=300)
     try:
-        for _ in range(600):
-            try:
-                if get(f"{base}/ready").get("ready"):
-                    break
-            except OSError:
-                pass
-            time.sleep(0.5)
         rng = random.Random(13)
         chats = [[{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(300))}]
                  for _ in range(args.conversations)]
@@ -82,8 +80,7 @@ def main() -> None:
                   f"{got:4d} from the cache, {took * 1000:6.0f} ms")
         print(f"revisits that reused their conversation: {hits} of {len(chats)}")
     finally:
-        server.terminate()
-        server.wait(30)
+        rounds.stop(proc)
 
 
 if __name__ == "__main__":
