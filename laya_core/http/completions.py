@@ -59,7 +59,7 @@ class CompletionHandlers:
         self.observer = observer
         self.server = deployment.manifest.server
 
-    async def _start(
+    async def start(
         self, request: Request, req: ChatRequest | CompletionRequest, id_prefix: str, obj: str,
     ) -> tuple[list[gen.Running], dict[str, Any], Callable[[int], bytes]]:
         """Start the request's sequences (cancelled if the client leaves while they queue);
@@ -76,7 +76,7 @@ class CompletionHandlers:
 
     async def chat(self, request: Request) -> Response:
         req = await _parsed(parse_chat, await json_body(request, self.server))
-        runs, base, token_bytes = await self._start(request, req, "chatcmpl",
+        runs, base, token_bytes = await self.start(request, req, "chatcmpl",
                                                     "chat.completion.chunk")
         if req.common.stream:
             started: set[int] = set()
@@ -97,7 +97,7 @@ class CompletionHandlers:
                                              "finish_reason": finish}]}
 
             return self._stream(runs, req, chunk, base)
-        results = await self._collect(request, runs, req)
+        results = await self.collect(request, runs, req)
         choices = []
         for i, r in enumerate(results):
             message: dict[str, Any] = {"role": "assistant", "content": r.text}
@@ -122,7 +122,7 @@ class CompletionHandlers:
 
     async def completions(self, request: Request) -> Response:
         req = await _parsed(parse_completion, await json_body(request, self.server))
-        runs, base, token_bytes = await self._start(request, req, "cmpl", "text_completion")
+        runs, base, token_bytes = await self.start(request, req, "cmpl", "text_completion")
         if req.common.stream:
             def chunk(i: int, event: Any) -> dict[str, Any]:
                 lp = fmt.completion_logprobs(event.samples, token_bytes) \
@@ -132,13 +132,13 @@ class CompletionHandlers:
                                              "finish_reason": finish}]}
 
             return self._stream(runs, req, chunk, base)
-        results = await self._collect(request, runs, req)
+        results = await self.collect(request, runs, req)
         n = req.common.n
         choices = [_completion_choice(req, i, run, r, results[i - i % n], token_bytes)
                    for i, (run, r) in enumerate(zip(runs, results, strict=True))]
         return self._json(runs, req, results, {**base, "choices": choices})
 
-    async def _collect(self, request: Request, runs: list[gen.Running],
+    async def collect(self, request: Request, runs: list[gen.Running],
                        req: ChatRequest | CompletionRequest) -> list[gen.Result]:
         try:
             return await until_disconnect(request, asyncio.gather(*map(gen.collect, runs)))
@@ -149,11 +149,11 @@ class CompletionHandlers:
               results: list[gen.Result], body: dict[str, Any]) -> Response:
         timings = [r.timing for r in results]
         body["usage"] = gen.usage(runs, req.common.n)
-        self._finished(runs, req, timings, body["usage"])
+        self.finished(runs, req, timings, body["usage"])
         route_s, timing = max(r.route_s for r in runs), gen.combined_timing(timings)
         return JSONResponse(body, headers={"Server-Timing": gen.server_timing(route_s, timing)})
 
-    def _finished(self, runs: list[gen.Running], req: ChatRequest | CompletionRequest,
+    def finished(self, runs: list[gen.Running], req: ChatRequest | CompletionRequest,
                   timings: list[Timing | None], usage: dict[str, Any],
                   error: str | None = None) -> None:
         """Observe a complete response (a failed one only for the access log)."""
@@ -189,7 +189,7 @@ class CompletionHandlers:
                 usage = gen.usage(runs, req.common.n)
                 if req.common.include_usage:
                     yield json.dumps({**base, "choices": [], "usage": usage})
-                self._finished(runs, req, timings, usage, error)
+                self.finished(runs, req, timings, usage, error)
                 yield "[DONE]"
             finally:
                 gen.release_all(runs)

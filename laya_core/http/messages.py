@@ -87,13 +87,13 @@ class MessageHandlers:
     async def create(self, request: Request) -> Response:
         req = await _parse(await json_body(request, self.deployment.manifest.server))
         try:
-            runs, _, token_bytes = await self.chat._start(request, req, "msg", "message")
+            runs, _, token_bytes = await self.chat.start(request, req, "msg", "message")
         except APIError as e:
             raise renamed(e) from None
         id_, model = fmt.new_id(), req.common.model
         if req.common.stream:
             return self._stream(runs, req, id_, token_bytes)
-        (result,) = await self.chat._collect(request, runs, req)
+        (result,) = await self.chat.collect(request, runs, req)
         u = runs[0].stream.usage
         parser = ToolCallParser() if req.tools else None
         stop = fmt.matched_stop(result.text, result.token_ids, token_bytes, req.common.stop) \
@@ -103,7 +103,7 @@ class MessageHandlers:
         body = fmt.message(id_, model, content, reason,
                            stop if reason == "stop_sequence" else None,
                            fmt.usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens))
-        self.chat._finished(runs, req, [result.timing], gen.usage(runs, 1))
+        self.chat.finished(runs, req, [result.timing], gen.usage(runs, 1))
         timing = gen.server_timing(runs[0].route_s, result.timing)
         return JSONResponse(body, headers={"Server-Timing": timing})
 
@@ -150,7 +150,7 @@ class MessageHandlers:
                         "usage": fmt.usage(u.prompt_tokens, u.cached_tokens,
                                            u.completion_tokens)})
                     yield fmt.event("message_stop", {})
-                self.chat._finished(runs, req, [timing], gen.usage(runs, 1), error)
+                self.chat.finished(runs, req, [timing], gen.usage(runs, 1), error)
             finally:
                 gen.release_all(runs)
 

@@ -126,13 +126,13 @@ class ResponseHandlers:
         else:
             req = parse_responses(body, history)
         try:
-            runs, _, _ = await self.chat._start(request, req.chat, "resp", "response")
+            runs, _, _ = await self.chat.start(request, req.chat, "resp", "response")
         except APIError as e:
             raise renamed(e) from None
         response_id, created = _id("resp"), int(time.time())
         if req.chat.common.stream:
             return self._stream(req, runs, response_id, created)
-        (result,) = await self.chat._collect(request, runs, req.chat)
+        (result,) = await self.chat.collect(request, runs, req.chat)
         output: list[dict[str, Any]] = []
         status = "incomplete" if result.finish is FinishReason.LENGTH else "completed"
         text = result.text
@@ -147,7 +147,7 @@ class ResponseHandlers:
             output.append(_message(text, status))
         output += calls
         usage = gen.usage(runs, 1)
-        self.chat._finished(runs, req.chat, [result.timing], usage)
+        self.chat.finished(runs, req.chat, [result.timing], usage)
         body = self._object(req, response_id, created, status, output, usage)
         self._keep(req, body)
         return JSONResponse(body, headers={"Server-Timing": gen.server_timing(
@@ -187,7 +187,7 @@ class ResponseHandlers:
                         yield events.emit(f"response.{status}", response=final)
                     clock.add(HTTP, start)
                 usage = gen.usage(runs, 1)
-                self.chat._finished(runs, req.chat, [timing], usage, error)
+                self.chat.finished(runs, req.chat, [timing], usage, error)
             finally:
                 gen.release_all(runs)
 
