@@ -3,7 +3,8 @@
 Each slot is a llama.cpp sequence id; a step fills one ``llama_batch`` with the prompt chunks
 of new sequences and one token for each decoding sequence, and only rows that end a chunk ask
 for logits, besides the prompt rows whose log-probabilities are wanted. ``llama_cpp`` is
-imported in ``load_weights``, never at import time.
+imported in ``load_weights``, never at import time; the parameters of the load and of the
+slots' context, and what is read back from the model, are ``loading.py``'s.
 """
 
 from __future__ import annotations
@@ -16,24 +17,17 @@ from typing import Any
 
 import numpy as np
 
-from laya_backend_llamacpp import cpu, memory, sampling
+from laya_backend_llamacpp import cpu, loading, memory, sampling
 from laya_backend_llamacpp.embedder import Embedder
-from laya_backend_llamacpp.llama_log import LLAMA_LOG, weight_buffers
+from laya_backend_llamacpp.llama_log import LLAMA_LOG
 from laya_backend_llamacpp.memory import (
-    GGML_TYPE,
-    LLAMA_FLASH_ATTN,
     SCORE_BLOCK_ROWS,
     embed_batch_tokens,
     flash_attention,
     kv_layout,
     saved_kv_tokens,
 )
-from laya_backend_llamacpp.tokenizer import (
-    LlamaTokenizer,
-    VocabularyTokenizer,
-    special_texts,
-    token_text,
-)
+from laya_backend_llamacpp.tokenizer import LlamaTokenizer, VocabularyTokenizer
 from laya_core.backend import (
     Backend,
     MemoryProfile,
@@ -46,24 +40,16 @@ from laya_core.engine.allowed_tokens import NO_TOKEN_ALLOWED
 from laya_core.engine.embed_jobs import EmbedPlan, embed_whole
 from laya_core.engine.threads import ThreadGovernor
 from laya_core.kv.dtypes import KV_DTYPE_NAMES
-from laya_core.models.files import ModelShape, read_shape
-from laya_core.models.pooling import DEFAULT_POOLING
+from laya_core.models.files import ModelShape
 from laya_core.types import Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 
-_LOAD_MODE = {True: 1, False: 0}  # use_mmap -> llama_load_mode: MMAP, NONE
 _MAX_THREADS = 512  # GGML_MAX_N_THREADS
 
 
 def _u8(buf: np.ndarray) -> Any:
     return buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-
-
-def _llama() -> Any:
-    import llama_cpp
-
-    return llama_cpp
 
 
 class LlamaCppBackend(Backend):
@@ -132,51 +118,10 @@ class LlamaCppBackend(Backend):
     _embedder: Embedder | None = None
 
     def load_weights(self) -> ModelInfo:
-        ll = self._ll = _llama()
-        LLAMA_LOG.install(ll)
-        ll.llama_backend_init()
-        host = cpu.read_cpuinfo()
-        features = cpu.build_features(ll.llama_print_system_info().decode("utf-8", "replace"))
-        self._repack = cpu.choose_repack(self.config.options.get("repack", "auto"), host,
-                                         features)
-        shape = read_shape(self.config.path)
-        self.pooling = shape.pooling or DEFAULT_POOLING
-        use_mmap = cpu.choose_mmap(
-            self.config.options.get("use_mmap", "auto"), self._repack.enabled,
-            shape.matrix_types, cpu.repacked_types(host, features))
-        params = ll.llama_model_default_params()
-        params.load_mode = _LOAD_MODE[use_mmap]
-        params.use_extra_bufts = self._repack.enabled
-        with LLAMA_LOG.capture() as lines:
-            self._model = ll.llama_model_load_from_file(self.config.path.encode(), params)
-        if not self._model:
-            raise RuntimeError(f"llama.cpp could not load {self.config.path}")
-        self._runtime: dict[str, Any] = {
-            "cpu": host.model, "cpu_flags": host.notable_flags,
-            "llama_cpp_features": sorted(features),
-            "repack": self._repack.enabled, "repack_reason": self._repack.reason,
-            "use_mmap": use_mmap,
-            "weight_buffer_bytes": weight_buffers(lines),
-            "embedding_pooling": self.pooling,
-        }
-        vocab = self._vocab = ll.llama_model_get_vocab(self._model)
-        n_vocab = self._n_vocab = ll.llama_vocab_n_tokens(vocab)
-        template = ll.llama_model_chat_template(self._model, None)
-        desc = ctypes.create_string_buffer(256)
-        ll.llama_model_desc(self._model, desc, len(desc))
-        specials = special_texts(ll, vocab, n_vocab)
-        self._tokenizer = LlamaTokenizer(ll, vocab, n_vocab, specials)
-        return ModelInfo(
-            n_ctx_train=ll.llama_model_n_ctx_train(self._model),
-            vocab_size=n_vocab,
-            eog_token_ids=frozenset(t for t in range(n_vocab) if ll.llama_vocab_is_eog(vocab, t)),
-            chat_template=template.decode("utf-8") if template else None,
-            bos_token=self._special_text(ll.llama_vocab_bos(vocab)),
-            eos_token=self._special_text(ll.llama_vocab_eos(vocab)),
-            add_bos=bool(ll.llama_vocab_get_add_bos(vocab)),
-            description=desc.value.decode("utf-8", "replace"),
-            special_tokens=specials,
-        )
+        ll = self._ll = loading.llama()
+        self._model, self._runtime, self.pooling = loading.load_model(ll, self.config)
+        info, self._vocab, self._n_vocab, self._tokenizer = loading.model_info(ll, self._model)
+        return info
 
     def allocate_kv(self, *, num_tokens: int, max_num_seqs: int) -> None:
         self.allocate_cache(n_ctx=num_tokens, max_num_seqs=max_num_seqs)
@@ -185,26 +130,17 @@ class LlamaCppBackend(Backend):
 
     def allocate_cache(self, *, n_ctx: int, max_num_seqs: int) -> None:
         ll = self._ll
-        params = ll.llama_context_default_params()
-        params.n_ctx = n_ctx
-        params.n_seq_max = max_num_seqs
-        # One step feeds at most max_step_tokens tokens; a larger batch would only waste the
-        # compute buffer, whose size grows with n_ubatch.
-        params.n_batch = params.n_ubatch = self.config.max_step_tokens
         threads = self.config.options.get("n_threads", "auto")
         if threads == "auto":
             self._governor = ThreadGovernor(cpu.physical_cores())
             threads = self._governor.threads
         else:
             self._fixed_threads = int(threads)
-        params.n_threads = params.n_threads_batch = int(threads)
         self._unified, _ = kv_layout(self.config, n_ctx, max_num_seqs)
         # With a stream per slot, each run of consecutive slots is its own forward pass.
         self.supports_moving = not self._unified
-        params.kv_unified = self._unified
-        params.type_k = params.type_v = GGML_TYPE[self.config.kv_cache_dtype]
-        params.no_perf = True
-        params.flash_attn_type = LLAMA_FLASH_ATTN[flash_attention(self.config)]
+        params = loading.context_params(ll, self.config, n_ctx=n_ctx, max_num_seqs=max_num_seqs,
+                                        threads=int(threads), unified=self._unified)
         self._chunks_alone = not flash_attention(self.config)
         self._ctx = ll.llama_init_from_model(self._model, params)
         if not self._ctx:
@@ -249,13 +185,10 @@ class LlamaCppBackend(Backend):
             runtime.update(n_threads=self._fixed_threads, n_threads_mode="fixed")
         return runtime
 
-    def _special_text(self, token: int) -> str:
-        return token_text(self._ll, self._vocab, token)
-
     def load_tokenizer(self) -> VocabularyTokenizer:
         """The vocabulary alone (llama.cpp's ``vocab_only`` load: 0.09 s and 17 MiB for the
         embedded model, AMD EPYC), for a front end whose replica runs in a worker."""
-        ll = _llama()
+        ll = loading.llama()
         LLAMA_LOG.install(ll)
         ll.llama_backend_init()
         return VocabularyTokenizer(ll, self.config.path)
