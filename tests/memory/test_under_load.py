@@ -37,7 +37,7 @@ max_seq_len = 512
 max_num_seqs = 4
 max_step_tokens = 128
 max_queue = 16
-queue_timeout_s = 4
+queue_timeout_s = 15
 """
 TOLERANCE = 0.10
 PROMPT = ("Here is a long story about a lighthouse keeper who kept a diary of every ship that "
