@@ -19,6 +19,7 @@ from laya_core.http.completion_requests import (
     common_fields,
 )
 from laya_core.http.errors import invalid
+from laya_core.structured.formats import JSON_KINDS
 from laya_core.structured.spec import GrammarError
 from laya_core.structured.tools import Tool, ToolUse, call_grammar
 
@@ -148,9 +149,11 @@ def _tool_use(b: Body, common: GenerationRequest) -> ToolUse | None:
     parallel = b.get("parallel_tool_calls", bool, True)
     if choice == "none":
         return None
-    if common.constraint is not None:
-        raise invalid(common.constraint.param, f"'{common.constraint.param}' cannot be "
-                      "combined with tools; send tool_choice \"none\" to use it")
+    constraint = common.constraint
+    if constraint is not None and constraint.kind not in JSON_KINDS:
+        raise invalid(constraint.param, f"'{constraint.param}' cannot be combined with "
+                      "tools: a JSON answer (json_schema or json_object) can; send "
+                      "tool_choice \"none\" to use it alone")
     return ToolUse(tools, choice, parallel)
 
 
@@ -170,7 +173,8 @@ def parse_chat(body: Any) -> ChatRequest:
     use = _tool_use(b, common)
     if use is not None:
         try:
-            common = attrs.evolve(common, constraint=call_grammar(use))
+            # A JSON format with tool_choice auto: call, or answer in it (call_grammar).
+            common = attrs.evolve(common, constraint=call_grammar(use, answer=common.constraint))
         except GrammarError as e:
             raise invalid(e.param, str(e)) from None
     return ChatRequest(common, messages, use)

@@ -231,6 +231,8 @@ class GrammarCompiler:
         if found is None:
             found = pending.result() if pending is not None else self._compile_new(key, spec)
         if isinstance(found, Refused):
+            for part in spec.parts:  # the part refused alone names its own field
+                self._compiled(part)
             raise explain(spec.param, found)
         return found
 

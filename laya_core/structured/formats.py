@@ -51,6 +51,9 @@ _MOST_DIGITS = 309
 CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
                      "guided_choice", "guided_grammar", "tools")
 
+# The kinds of a JSON constraint (a schema's or any object's), the ones tools combine with.
+JSON_KINDS = ("json_schema", "json_object")
+
 # The whitespace options of compact JSON (vLLM's disable_any_whitespace).
 _COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
@@ -157,6 +160,15 @@ def json_schema(schema: Any, param: str, *, whitespace: str | None = None,
     except ValueError as e:  # nested deeper than its JSON parser takes, say
         raise GrammarError(param, f"'{param}' cannot be read as a JSON schema: {e}") from None
     return ConstraintSpec(kind, grammar, param, numbers=numbers_grammar(schema))
+
+
+def schema_of(spec: ConstraintSpec) -> Any:
+    """The schema of a JSON constraint (:data:`JSON_KINDS`) as :func:`json_schema` gave it
+    to llguidance, its whitespace options included (``x-guidance``): what a grammar that
+    embeds the same JSON writes after ``%json``."""
+    assert spec.kind in JSON_KINDS, spec.kind
+    (entry,) = json.loads(spec.grammar)["grammars"]
+    return entry["json_schema"]
 
 
 def regex(pattern: Any, param: str) -> ConstraintSpec:

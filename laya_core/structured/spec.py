@@ -17,14 +17,17 @@ class ConstraintSpec:
     from, for errors. ``numbers``, for JSON, is a second grammar (a regular expression of
     Laya's own, :func:`laya_core.structured.formats.numbers_grammar`) that the output must
     match too: it bounds the digits of every JSON number, which llguidance's JSON
-    grammars leave unbounded.
+    grammars leave unbounded. ``parts``, for a grammar built of others (tool calls or a
+    JSON answer), are those others: compiled alone only when the whole is refused, so that
+    the error names the field whose schema the server cannot enforce.
     """
 
-    kind: str  # json_schema, json_object, regex, choice, grammar, tools
+    kind: str  # json_schema, json_object, regex, choice, grammar, tools, tools_or_json
     grammar: str
     param: str
     convert: bool = False
     numbers: str = ""
+    parts: tuple[ConstraintSpec, ...] = ()
 
 
 class GrammarError(ValueError):

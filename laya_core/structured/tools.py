@@ -38,7 +38,12 @@ from typing import Any
 
 import attrs
 
-from laya_core.structured.formats import closed_schema, json_options, numbers_grammar
+from laya_core.structured.formats import (
+    closed_schema,
+    json_options,
+    numbers_grammar,
+    schema_of,
+)
 from laya_core.structured.spec import ConstraintSpec
 
 OPEN = "<tool_call>"
@@ -99,25 +104,42 @@ def _call_schema(tools: Sequence[Tool]) -> dict[str, Any]:
     return {**schema, "x-guidance": json_options()}
 
 
-def call_grammar(use: ToolUse, param: str = "tools") -> ConstraintSpec:
+def call_grammar(use: ToolUse, param: str = "tools",
+                 answer: ConstraintSpec | None = None) -> ConstraintSpec:
     """The constraint for a request's calls (see the module docstring). A forced call's
     numbers are bounded as a response format's are; with ``auto`` the text before a call is
-    the model's own, digits included, so they are not."""
+    the model's own, digits included, so they are not.
+
+    ``answer``, a JSON response format (:data:`~laya_core.structured.formats.JSON_KINDS`),
+    makes ``auto`` an alternation: the output is calls from its first character, or one
+    JSON value of that format, numbers bounded in both. A forced call leaves no room for
+    an answer: the format is for a later turn's."""
     import llguidance
 
     tools = [t for t in use.tools if t.name == use.choice] if use.named else list(use.tools)
     body = f'"\\n" %json {json.dumps(_call_schema(tools))} "\\n{CLOSE}"'
     more = f'("\\n" "{OPEN}" body)*' if use.parallel and not use.named else ""
+    schemas = [t.parameters for t in tools]
+    answer = None if use.forced else answer
     if use.forced:
         lark = f'start: "{OPEN}" body {more}\nbody: {body}\n'
+    elif answer is not None:
+        lark = (f'start: answer | "{OPEN}" body {more}\n'
+                f"answer: %json {json.dumps(schema_of(answer))}\n"
+                f"body: {body}\n")
+        schemas.append(schema_of(answer))
     else:
         lark = (f"start: TEXT | trigger body {more}\n"
                 f'trigger[lazy]: TEXT "{OPEN}"\n'
                 f"body: {body}\n"
                 r"TEXT: /(.|\n)*/" + "\n")
-    numbers = numbers_grammar([t.parameters for t in tools]) if use.forced else ""
-    return ConstraintSpec("tools", llguidance.LLMatcher.grammar_from_lark(lark), param,
-                          numbers=numbers)
+    grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+    if answer is None:
+        numbers = numbers_grammar(schemas) if use.forced else ""
+        return ConstraintSpec("tools", grammar, param, numbers=numbers)
+    calls = call_grammar(attrs.evolve(use, choice="required"), param)
+    return ConstraintSpec("tools_or_json", grammar, param, numbers=numbers_grammar(schemas),
+                          parts=(calls, answer))
 
 
 def call_text(name: str, arguments: str) -> str:
