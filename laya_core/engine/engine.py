@@ -25,6 +25,7 @@ from laya_core.engine.layer_clock import (
     BACKEND,
     DELIVER,
     DETOKENIZE,
+    IPC_SEND,
     LOOP,
     PREFILL,
     SCHEDULE,
@@ -37,7 +38,7 @@ from laya_core.engine.progress import Live
 from laya_core.engine.request import Request
 from laya_core.engine.scheduler import Scheduler
 from laya_core.engine.state import EngineState, EngineUnavailableError, QueueFullError
-from laya_core.engine.stream import ADMITTED, EventSink, GenerationStream, deliver
+from laya_core.engine.stream import ADMITTED, Courier, EventSink, GenerationStream, deliver
 from laya_core.kv.policies import KVCache, KVOp
 from laya_core.memory.ledger import sizes_for
 from laya_core.models.tokenizer import Tokenizer
@@ -81,8 +82,7 @@ class Engine:
         self._embeds: EmbedQueue | None = None
         self._live: dict[int, Live] = {}
         # Events of this step, by the event loop that reads them; see _flush.
-        self._outbox: dict[asyncio.AbstractEventLoop,
-                           list[tuple[asyncio.Queue[TokenEvent], TokenEvent]]] = {}
+        self._outbox: dict[Courier, list[tuple[EventSink, TokenEvent]]] = {}
         self._lock = threading.Lock()  # guards the two counters below
         self._num_queued = 0  # submitted, not yet admitted or finished
         self.rejections: dict[str, int] = {"queue_full": 0, "queue_timeout": 0}
@@ -126,14 +126,15 @@ class Engine:
         check_length(num_prompt_tokens, max_tokens, self.max_seq_len)
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
-               loop: asyncio.AbstractEventLoop | None = None,
+               loop: Courier | None = None,
                constraint: TokenConstraint | None = None,
                sink: EventSink | None = None) -> GenerationStream:
         """Queue a request; call from the event loop that will read the stream.
         ``constraint``: what the sequence may sample at each step (``Request.constraint``);
         it is called on the engine thread. ``sink``: where the events go instead of the
         returned stream's queue (a worker process forwards them; ``put_nowait`` is called
-        on ``loop``, all of a step's events in one callback)."""
+        through ``loop``, all of a step's events in one callback). ``loop``: the running
+        event loop when None, or a :class:`~laya_core.engine.stream.Courier`."""
         if self.state is not EngineState.READY:
             raise EngineUnavailableError(
                 f"{self.config.name} replica {self.replica_id} is {self.state.value}")
@@ -144,12 +145,12 @@ class Engine:
                              "log-probabilities")
         self.check_request(len(prompt_token_ids), params.max_tokens)
         self._take_place()
-        loop = loop or asyncio.get_running_loop()
+        courier: Courier = loop or asyncio.get_running_loop()
         assert self.tokenizer is not None
         seq = Request(next(self._ids), list(prompt_token_ids), params, constraint=constraint)
         stream = GenerationStream(seq.seq_id, seq.num_prompt_tokens, self.cancel)
         detok = IncrementalDetokenizer(self.tokenizer.token_bytes, params.stop)
-        self._inbox.put(Live(seq, loop, sink or stream.queue, detok))  # type: ignore[arg-type]
+        self._inbox.put(Live(seq, courier, sink or stream.queue, detok))
         return stream
 
     def embed(self, inputs: list[list[int]],
@@ -311,13 +312,15 @@ class Engine:
         if not self._outbox:
             return
         start = now_ns()
+        sent = self.clock.ns[IPC_SEND]
         outbox, self._outbox = self._outbox, {}
         for loop, events in outbox.items():
             try:
                 loop.call_soon_threadsafe(deliver, events)
             except RuntimeError:  # the loop is closed: nobody is left to read these requests
                 pass
-        self.clock.add(DELIVER, start)
+        # A transport's courier sends on this thread and charges its ipc_send itself.
+        self.clock.add(DELIVER, start + self.clock.ns[IPC_SEND] - sent)
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply queued adds and cancels; returns False once asked to stop."""

@@ -15,11 +15,13 @@ calls, for ``laya:engine_layer_seconds_total`` (docs/metrics.md) and
 - ``detokenize``: what each sampled token means (the KV bookkeeping, text, stop strings,
   the end of a sequence) and its event built;
 - ``deliver``: the step's events handed to the event loop that sends them;
-- ``ipc_send``: a worker process's step message (its snapshot, pickle, socket write);
+- ``ipc_send``: a worker process's or Ray actor's step message (its snapshot, pickle,
+  socket write), sent from the engine thread as part of the hand-over (not counted in
+  ``deliver``);
 - ``ipc_receive``: the front end's side of it (unpickle, and the events to their streams);
 - ``http``: each SSE chunk's JSON and its write to the connection.
 
-The first six run on the engine thread one after another; the last three on other threads
+The first seven run on the engine thread one after another; the last two on other threads
 and processes, beside the next step. A layer costs two ``perf_counter_ns`` calls and a list
 update per step or message (about 0.2 µs), so the clock is never off.
 """

@@ -3,7 +3,6 @@ token means for it: the text to send, whether the sequence ends, and its timing.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Collection
 
@@ -11,7 +10,8 @@ import attrs
 
 from laya_core.engine.detokenizer import IncrementalDetokenizer
 from laya_core.engine.request import Request
-from laya_core.types import FinishReason, Sample, Timing, TokenEvent
+from laya_core.engine.stream import Courier, EventSink
+from laya_core.types import FinishReason, Sample, Timing
 
 
 @attrs.frozen
@@ -29,8 +29,8 @@ class Live:
     """Where a sequence's events go, its text so far, and when its tokens came."""
 
     seq: Request
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[TokenEvent]
+    loop: Courier  # an event loop, or a transport's (laya_core/engine/stream.py)
+    queue: EventSink
     detokenizer: IncrementalDetokenizer
     started: bool = False  # admitted and known to the backend
     last_token_time: float = 0.0  # perf_counter seconds

@@ -1,7 +1,8 @@
 """The asyncio side of a request: the events an engine thread hands to an event loop.
 
 The engine gathers a step's events and calls ``loop.call_soon_threadsafe(deliver, events)``
-once per event loop; each request reads its own queue through a :class:`GenerationStream`.
+once per event loop (or per :class:`Courier`); each request reads its own queue through a
+:class:`GenerationStream`.
 Only immutable :class:`TokenEvent` objects cross from the engine thread; the stream holds
 plain numbers of its own, never the engine's sequence.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from laya_core.types import TokenEvent, Usage
 
@@ -24,7 +25,15 @@ class EventSink(Protocol):
     def put_nowait(self, event: TokenEvent) -> None: ...
 
 
-def deliver(events: list[tuple[asyncio.Queue[TokenEvent], TokenEvent]]) -> None:
+class Courier(Protocol):
+    """Where the engine hands a step's events: an asyncio loop, whose thread then runs
+    ``deliver``, or a replica's transport, which runs it on the engine thread and sends the
+    step's message at once (laya_core/replica/worker.py: no thread hop per token)."""
+
+    def call_soon_threadsafe(self, callback: Callable[..., Any], *args: Any) -> Any: ...
+
+
+def deliver(events: list[tuple[EventSink, TokenEvent]]) -> None:
     """Put each event in its request's queue; runs on the event loop."""
     for queue, event in events:
         queue.put_nowait(event)

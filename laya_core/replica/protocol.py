@@ -17,8 +17,10 @@ Front end to replica:
 Replica to front end:
 
 - ``("loaded", Loaded)`` or ``("failed", why)`` once the load ended;
-- ``("ack", rid)`` or ``("refused", rid, kind, message, param)`` for each submit, before
-  any event of that request (:func:`refusal_of` and :func:`refused` translate the error);
+- ``("ack", rid)`` or ``("refused", rid, kind, message, param)`` for each submit
+  (:func:`refusal_of` and :func:`refused` translate the error). A refused request has no
+  events; an accepted one's first events may come before its ack (the engine thread sends
+  them, the replica's event loop the ack), and they count as the ack;
 - ``("events", [(rid, TokenEvent), ...], ReplicaSnapshot)``: one message per engine step
   with every request's events of that step, not a message per token per request;
 - ``("embedded", rid, Embeddings | None, kind, message, param)``;

@@ -231,6 +231,11 @@ class RemoteEngineClient(EngineClient):
                     request = self._requests.get(rid)
                     if request is None:
                         continue
+                    if request.ack is not None:
+                        # The engine thread sends events, the replica's loop the ack: a
+                        # request's first events may come first, and they mean accepted.
+                        _call(request.loop, _resolve, request.ack, None)
+                        request.ack = None
                     batches.setdefault(request.loop, []).append((request.queue, event))
                     if event.finish_reason is not None:
                         del self._requests[rid]
