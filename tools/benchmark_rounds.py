@@ -13,18 +13,23 @@ which llama.cpp's threads can collapse. The output is one line per run, then per
 level the median over the rounds of output tokens/s and TTFT p50, and each round's ratio to
 the baseline server (``--baseline``, default the first); ``--out`` writes it all as JSON.
 
-Laya serves the embedded model with ``max_seq_len = 1024`` and ``max_num_seqs = 16`` and the
-given ``[models.options]`` (none for plain defaults; a ``"backend"`` key among them picks the
-backend: ``--laya 'torch:{"backend": "torch"}'``, an ``"engine"`` key ``[cluster] engine``:
-``--laya 'threads:{"engine": "thread"}'``); llama-server serves the same file with
-``--llama-server-args`` (default ``--parallel 16 -c 16384``: the same 16 slots of 1024).
-It sends traffic only to servers it started on 127.0.0.1.
+Laya serves the embedded model with its own defaults, changed only by the spec's JSON: a
+``"backend"`` key picks the backend (``--laya 'torch:{"backend": "torch"}'``), an
+``"engine"`` key ``[cluster] engine`` (``--laya 'threads:{"engine": "thread"}'``), the keys
+of a ``[[models]]`` table (``max_seq_len``, ``max_num_seqs``, ...) go there, and the rest
+into ``[models.options]``. llama-server serves the same file once per ``--llama-config
+NAME=ARGS``: by default with its true defaults (``llama-defaults``: no flags) and tuned
+(``llama-np8``: ``-np 8 -c 16384``); ``--llama-server-common`` adds flags to every one (on a
+CPU with AMX, ``--no-repack``: its repacked Q4_1 weights crash there). Each run records the
+machine's load average just before it starts; the JSON names the CPU. It sends traffic only
+to servers it started on 127.0.0.1.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import socket
 import statistics
@@ -50,11 +55,14 @@ engine = "{engine}"
 name = "smollm2"
 backend = "{backend}"
 path = "embedded:smollm2-135m-instruct"
-max_seq_len = 1024
-max_num_seqs = 16
+{model}
 [models.options]
 {options}
 """
+# A spec's keys that belong to the model's table rather than to its options.
+MODEL_KEYS = frozenset({"max_seq_len", "max_num_seqs", "max_step_tokens", "max_queue",
+                        "kv_dtype", "replicas", "scheduler", "cache_policy"})
+LLAMA_CONFIGS = ("llama-defaults=", "llama-np8=-np 8 -c 16384")
 
 
 def _free_port() -> int:
@@ -108,17 +116,39 @@ def laya_server(spec: str, workdir: Path) -> Server:
     engine = table.pop("engine", "auto")  # [cluster] engine: process, thread
     port = _free_port()
     manifest = workdir / f"{name}.toml"
-    manifest.write_text(LAYA_MANIFEST.format(port=port, backend=backend, engine=engine,
-                                             options="\n".join(
-        f"{k} = {_toml_value(v)}" for k, v in table.items())))
+    model = {k: table.pop(k) for k in list(table) if k in MODEL_KEYS}
+    manifest.write_text(LAYA_MANIFEST.format(
+        port=port, backend=backend, engine=engine,
+        model="\n".join(f"{k} = {_toml_value(v)}" for k, v in model.items()),
+        options="\n".join(f"{k} = {_toml_value(v)}" for k, v in table.items())))
     argv = [python or sys.executable, "-m", "laya_core.cli.main", "serve", str(manifest)]
     return Server(name, argv, "/ready", port)
 
 
-def llama_server(binary: str, model: str, extra: str) -> Server:
+def llama_server(binary: str, model: str, config: str, common: str = "") -> Server:
+    """``config``: ``NAME=ARGS``, llama-server's flags for this one (none: its defaults)."""
+    name, _, extra = config.partition("=")
     port = _free_port()
-    argv = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), *shlex.split(extra)]
-    return Server("llama-server", argv, "/health", port)
+    argv = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port),
+            *shlex.split(extra), *shlex.split(common)]
+    return Server(name or "llama-server", argv, "/health", port)
+
+
+def machine() -> dict[str, Any]:
+    """The CPU the numbers were measured on: its model name, core count and the flags that
+    decide llama.cpp's kernels."""
+    name, flags = "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
+    return {"cpu": name, "cpus": os.cpu_count(), "flags": [f for f in wanted if f in flags]}
 
 
 def embedded_model() -> str:
@@ -128,7 +158,9 @@ def embedded_model() -> str:
 
 
 def measure(server: Server, args: argparse.Namespace, log: Path) -> dict[int, dict[str, Any]]:
-    """Start the server, keep ``--busy`` spinners beside it, run the benchmark, stop both."""
+    """Start the server, keep ``--busy`` spinners beside it, run the benchmark, stop both.
+    Each level also carries the load average just before the server started."""
+    load = os.getloadavg()[0]
     proc = server.start(log)
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
             for _ in range(args.busy)]
@@ -144,7 +176,7 @@ def measure(server: Server, args: argparse.Namespace, log: Path) -> dict[int, di
             p.wait()
         stop(proc)
     summary = json.loads(run.stdout.strip().splitlines()[-1])
-    return {lv["concurrency"]: lv for lv in summary["levels"]}
+    return {lv["concurrency"]: {**lv, "load_before": round(load, 2)} for lv in summary["levels"]}
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -187,7 +219,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "the backend, default llamacpp), run by PYTHON (default: this "
                    "interpreter's install); repeat to compare several")
     p.add_argument("--llama-server", metavar="PATH", help="llama.cpp's server binary")
-    p.add_argument("--llama-server-args", default="--parallel 16 -c 16384")
+    p.add_argument("--llama-config", action="append", metavar="NAME=ARGS",
+                   help="a llama-server configuration (repeatable; default: "
+                   + ", ".join(repr(c) for c in LLAMA_CONFIGS) + ")")
+    p.add_argument("--llama-server-common", default="", metavar="ARGS",
+                   help="flags for every llama-server configuration (e.g. --no-repack)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrency", default="1,8", help="levels, as for benchmark_serving.py")
     p.add_argument("--requests", type=int, default=16)
@@ -207,16 +243,19 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="laya-rounds-"))
     servers = [laya_server(spec, workdir) for spec in args.laya]
     if args.llama_server:
-        servers.append(llama_server(args.llama_server, embedded_model(), args.llama_server_args))
+        servers += [llama_server(args.llama_server, embedded_model(), config,
+                                 args.llama_server_common)
+                    for config in args.llama_config or LLAMA_CONFIGS]
     baseline = args.baseline or servers[0].name
     runs = []
     for round_no in range(1, args.rounds + 1):
         for server in servers:
             levels = measure(server, args, workdir / f"{server.name}-{round_no}.log")
             runs.append({"round": round_no, "server": server.name, "levels": levels})
-            print(f"round {round_no} {server.name:>16}: " + "  ".join(
-                f"c={c} {lv['output_tokens_per_s']:7.1f} tok/s TTFT p50 {lv['ttft_ms']['p50']:.0f} ms"
-                for c, lv in levels.items()), flush=True)
+            print(f"round {round_no} {server.name:>16} (load {levels[min(levels)]['load_before']:.2f}): "
+                  + "  ".join(f"c={c} {lv['output_tokens_per_s']:7.1f} tok/s TTFT p50 "
+                              f"{lv['ttft_ms']['p50']:.0f} ms" for c, lv in levels.items()),
+                  flush=True)
     summary = summarize(runs, baseline)
     for server, levels in summary.items():
         for level, s in levels.items():
@@ -224,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{server:>16} c={level}: median {s['median_tokens_per_s']:.1f} tok/s, TTFT p50 "
                   f"{s['median_ttft_p50_ms']:.0f} ms, ratio to {baseline} "
                   f"{'-' if ratio is None else f'{ratio:.2f}'} (rounds {s[f'ratio_to_{baseline}']})")
-    result = {"busy": args.busy, "rounds": runs, "summary": summary}
+    result = {"machine": machine(), "busy": args.busy, "rounds": runs, "summary": summary}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -45,3 +45,29 @@ def test_two_laya_configurations_in_one_round(tmp_path: Path) -> None:
     assert one["failed"] == 0 and one["median_tokens_per_s"] > 0
     assert len(one["ratio_to_defaults"]) == 1
     assert "ratio to defaults" in run.stdout
+    assert result["machine"]["cpus"] >= 1 and result["machine"]["cpu"]
+    assert result["rounds"][0]["levels"]["1"]["load_before"] >= 0
+
+
+def test_a_spec_splits_into_the_model_table_and_its_options(tmp_path: Path) -> None:
+    import tomllib
+
+    server = rounds.laya_server('tuned:{"max_num_seqs": 16, "max_seq_len": 1024, '
+                                '"n_threads": 2, "engine": "thread"}', tmp_path)
+    manifest = tomllib.loads((tmp_path / "tuned.toml").read_text())
+    (model,) = manifest["models"]
+    assert (model["max_num_seqs"], model["max_seq_len"]) == (16, 1024)
+    assert model["options"] == {"n_threads": 2}
+    assert manifest["cluster"]["engine"] == "thread" and server.name == "tuned"
+    plain = tomllib.loads((rounds.laya_server("defaults", tmp_path) and
+                           (tmp_path / "defaults.toml")).read_text())["models"][0]
+    assert "max_num_seqs" not in plain and "max_seq_len" not in plain  # Laya's own defaults
+
+
+def test_llama_server_configurations_name_their_flags() -> None:
+    defaults = rounds.llama_server("/bin/llama-server", "m.gguf", "llama-defaults=",
+                                   "--no-repack")
+    tuned = rounds.llama_server("/bin/llama-server", "m.gguf", "np8=-np 8 -c 16384")
+    assert defaults.name == "llama-defaults" and defaults.argv[-1] == "--no-repack"
+    assert "-np" not in defaults.argv
+    assert tuned.name == "np8" and tuned.argv[-4:] == ["-np", "8", "-c", "16384"]
