@@ -14,7 +14,9 @@ the name one of the tools', the arguments an object that validates against that 
 ``parameters``. With ``tool_choice`` ``required`` or a named function the whole output is
 calls; with ``auto`` the text is free until the model writes ``<tool_call>``, and from that
 marker on the call is constrained (a lazy trigger: the grammar does not constrain text
-before it). ``parallel_tool_calls: false`` allows one call.
+before it). ``parallel_tool_calls: false`` allows one call. With ``auto`` and a JSON
+response format (tools with a typed answer) the output is calls, or an answer in the
+format, and nothing else.
 
 The parser (:class:`ToolCallParser`) reads the text as it streams: content outside calls
 goes out as content (a partial ``<tool_call>`` is held back until it is one or is not), a
@@ -117,29 +119,33 @@ def call_grammar(use: ToolUse, param: str = "tools",
     import llguidance
 
     tools = [t for t in use.tools if t.name == use.choice] if use.named else list(use.tools)
-    body = f'"\\n" %json {json.dumps(_call_schema(tools))} "\\n{CLOSE}"'
-    more = f'("\\n" "{OPEN}" body)*' if use.parallel and not use.named else ""
-    schemas = [t.parameters for t in tools]
     answer = None if use.forced else answer
-    if use.forced:
-        lark = f'start: "{OPEN}" body {more}\nbody: {body}\n'
-    elif answer is not None:
-        lark = (f'start: answer | "{OPEN}" body {more}\n'
-                f"answer: %json {json.dumps(schema_of(answer))}\n"
-                f"body: {body}\n")
-        schemas.append(schema_of(answer))
-    else:
-        lark = (f"start: TEXT | trigger body {more}\n"
-                f'trigger[lazy]: TEXT "{OPEN}"\n'
-                f"body: {body}\n"
-                r"TEXT: /(.|\n)*/" + "\n")
-    grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+    grammar = llguidance.LLMatcher.grammar_from_lark(_lark(use, tools, answer))
+    schemas = [t.parameters for t in tools]
     if answer is None:
         numbers = numbers_grammar(schemas) if use.forced else ""
         return ConstraintSpec("tools", grammar, param, numbers=numbers)
     calls = call_grammar(attrs.evolve(use, choice="required"), param)
-    return ConstraintSpec("tools_or_json", grammar, param, numbers=numbers_grammar(schemas),
+    return ConstraintSpec("tools_or_json", grammar, param,
+                          numbers=numbers_grammar([*schemas, schema_of(answer)]),
                           parts=(calls, answer))
+
+
+def _lark(use: ToolUse, tools: Sequence[Tool], answer: ConstraintSpec | None) -> str:
+    """:func:`call_grammar`'s Lark grammar: calls alone (forced), calls or the answer,
+    or free text up to a call (a lazy trigger)."""
+    body = f'"\\n" %json {json.dumps(_call_schema(tools))} "\\n{CLOSE}"'
+    more = f'("\\n" "{OPEN}" body)*' if use.parallel and not use.named else ""
+    if use.forced:
+        return f'start: "{OPEN}" body {more}\nbody: {body}\n'
+    if answer is not None:
+        return (f'start: answer | "{OPEN}" body {more}\n'
+                f"answer: %json {json.dumps(schema_of(answer))}\n"
+                f"body: {body}\n")
+    return (f"start: TEXT | trigger body {more}\n"
+            f'trigger[lazy]: TEXT "{OPEN}"\n'
+            f"body: {body}\n"
+            r"TEXT: /(.|\n)*/" + "\n")
 
 
 def call_text(name: str, arguments: str) -> str:
