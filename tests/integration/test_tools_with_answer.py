@@ -62,7 +62,7 @@ def reply(client: openai.OpenAI, stream: bool, **kwargs: Any,
     if not stream:
         r = client.chat.completions.create(**args)
         m = r.choices[0].message
-        return (m.content, [(c.function.name, c.function.arguments)  # type: ignore[union-attr]
+        return (m.content, [(c.function.name, c.function.arguments)
                             for c in m.tool_calls or []], r.choices[0].finish_reason)
     content, finish = "", None
     calls: dict[int, list[str]] = {}
@@ -134,7 +134,7 @@ def test_parse_with_a_pydantic_model_and_a_tool(client: openai.OpenAI) -> None:
         if message.tool_calls:
             assert message.parsed is None and r.choices[0].finish_reason == "tool_calls"
             (call,) = message.tool_calls
-            assert isinstance(call.function.parsed_arguments, GetWeather)  # type: ignore[union-attr]
+            assert isinstance(call.function.parsed_arguments, GetWeather)
         else:
             assert isinstance(message.parsed, City), message
 
@@ -147,10 +147,19 @@ RESPONSES_FORMAT = {"format": {"type": "json_schema", "name": "city", "schema": 
 
 
 def test_responses_text_format_beside_function_tools(client: openai.OpenAI) -> None:
-    def create(**kwargs: Any) -> str:
-        r = client.responses.create(model="smollm2", input=ASK,  # type: ignore[arg-type]
-                                    tools=[RESPONSES_WEATHER], text=RESPONSES_FORMAT,  # type: ignore[list-item, arg-type]
-                                    max_output_tokens=MAX_TOKENS, **kwargs)
+    def create(stream: bool = False, **kwargs: Any) -> str:
+        args = {"model": "smollm2", "input": ASK, "tools": [RESPONSES_WEATHER],
+                "text": RESPONSES_FORMAT, "max_output_tokens": MAX_TOKENS, **kwargs}
+        if stream:  # the streamed text is the final response's
+            text, r = "", None
+            for event in client.responses.create(stream=True, **args):
+                if event.type == "response.output_text.delta":
+                    text += event.delta
+                elif event.type == "response.completed":
+                    r = event.response
+            assert r is not None and r.output_text == text
+        else:
+            r = client.responses.create(**args)
         assert r.status == "completed", r
         calls = [o for o in r.output if o.type == "function_call"]
         for call in calls:
@@ -163,9 +172,10 @@ def test_responses_text_format_beside_function_tools(client: openai.OpenAI) -> N
         return "answer"
 
     assert create(tool_choice="none", temperature=0) == "answer"
+    assert create(True, tool_choice="none", temperature=0) == "answer"
     assert create(tool_choice="required", temperature=0, parallel_tool_calls=False) == "call"
-    for _ in range(4):  # sampled, so each is either form
-        create(temperature=1.0, parallel_tool_calls=False)
+    for i in range(4):  # sampled, so each is either form
+        create(i % 2 == 1, temperature=1.0, parallel_tool_calls=False)
 
 
 def test_the_agents_sdk_output_type_with_a_function_tool(smollm_server: ServerProcess) -> None:
