@@ -168,6 +168,23 @@ class Backend(abc.ABC):
     max_embed_inputs: int = 1
     # The keys ``[models.options]`` may hold for this backend; anything else is a manifest error.
     option_names: ClassVar[frozenset[str]] = frozenset()
+    # The ``[models.options]`` key that sets a replica's compute threads, which ``laya
+    # serve --threads`` (``LAYA_THREADS``) writes; None: the backend has no such option.
+    threads_option: ClassVar[str | None] = None
+    # Which backend a ``[[models]]`` entry without ``backend`` gets, among the installed ones
+    # that take its model (``check_model_path`` passes): the highest preference, ties by
+    # name. A backend that is the natural runtime of a model format sets it above 0.
+    default_preference: ClassVar[int] = 0
+
+    @classmethod
+    def cpu_threads(cls, config: ModelConfig) -> int | None:
+        """The CPU threads one replica of ``config`` computes with, where known before it
+        loads (a Ray actor asks for them as ``num_cpus``); None: not known, one is asked.
+        The default reads the ``threads_option`` option when it is a whole number."""
+        value = config.options.get(cls.threads_option) if cls.threads_option else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+        return None
 
     @classmethod
     def check_model_path(cls, path: str) -> str | None:

@@ -8,6 +8,7 @@ checks, and a problem with a key it set names the flag or variable too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -23,6 +24,8 @@ from laya_core.config.table import Problems
 from laya_core.plugins import Registry
 
 DEFAULT_MODEL_NAME = "smollm2"
+# What --threads sets until the model's backend says which of its options that is.
+THREADS_KEY = "models[0].threads"
 
 def _int(text: str) -> int:
     try:
@@ -63,7 +66,9 @@ class Setting:
 
     flags: tuple[str, ...]
     env: str
-    table: str  # "server", "memory", "model" or "options" (the model's backend options)
+    # "server", "memory", "model", or "threads": the option the model's backend names for
+    # its compute threads (Backend.threads_option)
+    table: str
     key: str
     parse: Callable[[str], Any] = str
     help: str = ""
@@ -78,8 +83,8 @@ class Setting:
     def key_path(self) -> str:
         if self.table == "model":
             return f"models[0].{self.key}"
-        if self.table == "options":
-            return f"models[0].options.{self.key}"
+        if self.table == "threads":
+            return THREADS_KEY
         return f"{self.table}.{self.key}"
 
 
@@ -95,9 +100,10 @@ SETTINGS = (
             "llama-server's -c, which its slots share, this is per sequence"),
     Setting(("--max-num-seqs", "--parallel", "-np"), "LAYA_MAX_NUM_SEQS", "model",
             "max_num_seqs", _int, help="sequences that run together (max_num_seqs)"),
-    Setting(("--threads", "-t"), "LAYA_THREADS", "options", "n_threads", _auto_or_int,
+    Setting(("--threads", "-t"), "LAYA_THREADS", "threads", "threads", _auto_or_int,
             metavar="N|auto",
-            help="compute threads: 'auto' or a number (the backend's n_threads option)"),
+            help="compute threads: 'auto' or a number (the backend's threads option, such "
+            "as n_threads)"),
     Setting(("--host",), "LAYA_HOST", "server", "host", metavar="HOST",
             help="address to listen on", group="server"),
     Setting(("--port",), "LAYA_PORT", "server", "port", _int, metavar="PORT",
@@ -184,21 +190,33 @@ def _single_model_data(path: str, name: str | None) -> dict[str, Any]:
     return {"models": [{"name": name or sources.model_name_for(path), "path": path}]}
 
 
-def _pick_backend(data: dict[str, Any], registry: Registry) -> None:
-    """A model folder served alone goes to the first installed backend that takes it."""
-    model = data["models"][0]
-    if "backend" in model or not Path(model["path"]).is_dir():
-        return
-    for name in sorted(registry.backends):
-        if registry.backends[name].obj.check_model_path(model["path"]) is None:
-            model["backend"] = name
-            return
+def _threads_path(model: dict[str, Any], registry: Registry, label: str) -> str:
+    """The key path --threads writes: the option the model's backend (named, or the one it
+    would get) sets its compute threads with."""
+    name = model.get("backend", mf.AUTO_BACKEND)
+    if name == mf.AUTO_BACKEND and isinstance(model.get("path"), str):
+        path = model["path"]
+        with contextlib.suppress(LookupError):
+            path = registry.resolve_model_path(path) or path
+        name = mf.default_backend(registry, path) or name
+    entry = registry.backends.get(name) if isinstance(name, str) else None
+    option = entry.obj.threads_option if entry is not None else None
+    if option is None:
+        raise mf.ManifestError(label, f"the {name} backend takes no count of compute threads"
+                               if entry is not None else "sets the compute threads of the "
+                               "model's backend, and no installed backend runs this model")
+    return f"models[0].options.{option}"
 
 
-def _apply(data: dict[str, Any], overrides: list[Override], labels: dict[str, str]) -> None:
+def _apply(data: dict[str, Any], overrides: list[Override], labels: dict[str, str],
+           registry: Registry) -> None:
     models = data.get("models")
     for o in overrides:
-        table, _, rest = o.key_path.partition(".")
+        key_path = o.key_path
+        if key_path == THREADS_KEY and isinstance(models, list) and len(models) == 1 \
+                and isinstance(models[0], dict):
+            key_path = _threads_path(models[0], registry, o.label)
+        table, _, rest = key_path.partition(".")
         if table.startswith("models["):
             if not isinstance(models, list) or len(models) != 1 \
                     or not isinstance(models[0], dict):
@@ -216,7 +234,7 @@ def _apply(data: dict[str, Any], overrides: list[Override], labels: dict[str, st
             if not isinstance(target, dict):
                 continue
         target[rest] = o.value
-        labels[o.key_path] = o.label
+        labels[key_path] = o.label
 
 
 def build(args: argparse.Namespace, registry: Registry,
@@ -250,9 +268,7 @@ def build(args: argparse.Namespace, registry: Registry,
                 data = _single_model_data(model, None)
                 labels["models[0].path"] = model_label
             base_dir, name = Path.cwd(), model or mf.EMBEDDED_MODEL
-        _apply(data, found, labels)
-        if source is None or source.kind == "model":
-            _pick_backend(data, registry)
+        _apply(data, found, labels, registry)
         with early.guard():
             manifest = mf.build(data, registry, source=name, base_dir=base_dir,
                                 need_backends=need_backends)

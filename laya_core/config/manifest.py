@@ -33,10 +33,10 @@ from laya_core.models.files import model_file_problem
 from laya_core.replica.worker_link import DEFAULT_SILENCE_S
 from laya_core.routing.router import POLICIES
 
-__all__ = ["CLUSTER_KEYS", "EMBEDDED_MODEL", "ENGINE_KINDS", "KV_CACHE_DTYPES", "MEMORY_KEYS",
-           "MODEL_KEYS", "ROUTER_KEYS", "SERVER_KEYS", "TOP_KEYS", "ClusterConfig",
-           "Manifest", "ManifestError",
-           "MemoryConfig", "RouterConfig", "ServerConfig", "build", "default_manifest",
+__all__ = ["AUTO_BACKEND", "CLUSTER_KEYS", "EMBEDDED_MODEL", "ENGINE_KINDS", "KV_CACHE_DTYPES",
+           "MEMORY_KEYS", "MODEL_KEYS", "ROUTER_KEYS", "SERVER_KEYS", "TOP_KEYS",
+           "ClusterConfig", "Manifest", "ManifestError", "MemoryConfig", "RouterConfig",
+           "ServerConfig", "build", "default_backend", "default_manifest",
            "from_dict", "load", "parse_size", "read_toml", "resolve"]
 
 if sys.version_info >= (3, 11):  # noqa: UP036 - tomli stays the fallback the brief names
@@ -45,6 +45,7 @@ else:  # pragma: no cover - Python 3.10 is not supported, kept for tools that re
     import tomli as tomllib
 
 EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
+AUTO_BACKEND = "auto"  # a model's backend when the manifest names none: see default_backend
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
 
@@ -145,7 +146,8 @@ def _model(data: Any, index: int, base_dir: Path, problems: Problems) -> ModelCo
     """One ``[[models]]`` entry; None when it is too broken to check further."""
     t = Table(data, f"models[{index}]", problems)
     name = t.get("name", str, required=True, check=_name_problem)
-    backend = t.get("backend", str, "llamacpp", check=non_empty)
+    # "auto": chosen in resolve() from the installed backends (default_backend).
+    backend = t.get("backend", str, AUTO_BACKEND, check=non_empty)
     path = t.get("path", str, required=True, check=non_empty)
     if path is not None and not _SCHEME_RE.match(path):  # SCHEME:NAME is a plugin's to say
         p = Path(path).expanduser()
@@ -260,7 +262,7 @@ def build(data: Mapping[str, Any], registry: Any, *, source: str = "<dict>",
 
 def default_manifest(host: str = "127.0.0.1", port: int = 8000) -> Manifest:
     """What ``laya serve`` runs with no manifest: the embedded model, safe defaults."""
-    model = ModelConfig(name="smollm2", backend="llamacpp", path=EMBEDDED_MODEL)
+    model = ModelConfig(name="smollm2", backend=AUTO_BACKEND, path=EMBEDDED_MODEL)
     return Manifest(ServerConfig(host, port), MemoryConfig(), RouterConfig(), (model,))
 
 
@@ -326,8 +328,45 @@ def _check_layout(backend: Any, m: ModelConfig, i: int, registry: Any,
                      "\"auto\" or name a policy for that layout")
 
 
+def default_backend(registry: Any, path: str) -> str | None:
+    """The backend a model without ``backend`` gets: of the installed backends that take
+    ``path`` (``check_model_path``), else of all installed, the one with the highest
+    ``default_preference``, ties by name; None when no backend is installed."""
+    names = sorted(registry.backends)
+    taking = [n for n in names if registry.backends[n].obj.check_model_path(path) is None]
+    return max(taking or names, key=lambda n: registry.backends[n].obj.default_preference,
+               default=None)
+
+
+def _resolved_path(m: ModelConfig, i: int, registry: Any) -> str:
+    """The model's path with a ``SCHEME:NAME`` path turned into a file by its plugin."""
+    try:
+        resolved = registry.resolve_model_path(m.path)
+    except LookupError as e:
+        raise ManifestError(f"models[{i}].path", str(e)) from e
+    if resolved is None and (scheme := _SCHEME_RE.match(m.path)) \
+            and not Path(m.path).exists():
+        raise ManifestError(f"models[{i}].path", f"no installed plugin resolves "
+                            f"{scheme.group(0)} paths (the resolve_model_path hook); install "
+                            "the one that does, or give a file path")
+    return resolved or m.path
+
+
 def _resolve_model(m: ModelConfig, i: int, registry: Any, need_backends: bool,
                    problems: Problems) -> ModelConfig:
+    path_error = None  # raised after the plugin checks, so their problems show with it
+    try:
+        path = _resolved_path(m, i, registry)
+    except ManifestError as e:
+        path, path_error = m.path, e
+    if m.backend == AUTO_BACKEND:
+        default = default_backend(registry, path)
+        if default is None and need_backends:
+            failed = "; ".join(str(f) for f in getattr(registry, "failures", ()))
+            raise ManifestError(f"models[{i}].backend", "no backend is installed to run "
+                                "this model; install a backend plugin (`laya plugins` lists "
+                                "what is installed)" + (f". Left out: {failed}" if failed else ""))
+        m = attrs.evolve(m, backend=default or m.backend)
     for key, family in (("backend", registry.backends), ("scheduler", registry.schedulers),
                         ("cache_policy", registry.cache_policies)):
         chosen = getattr(m, key)
@@ -351,16 +390,8 @@ def _resolve_model(m: ModelConfig, i: int, registry: Any, need_backends: bool,
     if backend and need_backends:
         _check_options(backend.obj, m, i, problems)
         _check_layout(backend.obj, m, i, registry, problems)
-    try:
-        resolved = registry.resolve_model_path(m.path)
-    except LookupError as e:
-        raise ManifestError(f"models[{i}].path", str(e)) from e
-    path = resolved or m.path
-    if resolved is None and (scheme := _SCHEME_RE.match(m.path)) \
-            and not Path(m.path).exists():
-        raise ManifestError(f"models[{i}].path", f"no installed plugin resolves "
-                            f"{scheme.group(0)} paths (the resolve_model_path hook); install "
-                            "the one that does, or give a file path")
+    if path_error is not None:
+        raise path_error
     if problem := model_file_problem(path):
         raise ManifestError(f"models[{i}].path", problem)
     if backend and need_backends and (problem := backend.obj.check_model_path(path)):

@@ -40,8 +40,8 @@ def _unsupported(deployment: Deployment, req: EmbeddingRequest,
                        "[[models]] entry needs embeddings = true (which plans memory for one "
                        "input of max_seq_len)", "embeddings_off")
     return invalid("model", f"the model {req.model!r} runs on the {backend} backend, which "
-                   "cannot compute embeddings; use a model served by the llamacpp or torch "
-                   "backend", "embeddings_unsupported")
+                   "cannot compute embeddings; use a model whose backend can (one with "
+                   "supports_embeddings)", "embeddings_unsupported")
 
 
 def _token_ids(req: EmbeddingRequest, client: EngineClient) -> list[list[int]]:

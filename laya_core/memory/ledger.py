@@ -54,6 +54,7 @@ class ReplicaLedger:
     replica: int
     config: ModelConfig  # with max_seq_len, max_num_seqs and kv_cache_tokens decided
     profile: MemoryProfile
+    cpu_threads: int | None = None  # the backend's Backend.cpu_threads; None: not known
 
     @property
     def max_seq_len(self) -> int:

@@ -76,7 +76,8 @@ def _ledgers(configs: list[tuple[ModelConfig, ModelShape, type[Backend]]],
         if processes and cls.load_tokenizer is not Backend.load_tokenizer:  # as Deployment
             profile = _in_worker(profile, shape)
         for _ in range(config.replicas):
-            ledgers.append(ReplicaLedger(config.name, replica, config, profile))
+            ledgers.append(ReplicaLedger(config.name, replica, config, profile,
+                                         cls.cpu_threads(config)))
             replica += 1
     return ledgers
 

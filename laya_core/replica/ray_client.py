@@ -3,7 +3,7 @@
 :class:`RayEngineClient` is a :class:`~laya_core.replica.remote.RemoteEngineClient`: the
 router, the tokenizer (``Backend.load_tokenizer``) and the chat template stay here, and
 the engine runs in a :class:`~laya_core.replica.ray_actor.ReplicaActor` on whichever node has the
-resources the memory plan asks for: ``num_cpus`` (the replica's ``n_threads``, or 1) and
+resources the memory plan asks for: ``num_cpus`` (``Backend.cpu_threads``, or 1) and
 Ray's ``memory`` resource (the replica's ledger total, in bytes), so Ray never packs more
 replicas onto a node than its memory holds. A thread per replica keeps one long poll
 (``events``) in flight and hands each step's events to the event loops in one
@@ -47,11 +47,10 @@ def connect(address: str | None) -> None:
         ray.init(address=address, log_to_driver=True)
 
 
-def actor_resources(config: ModelConfig, planned_bytes: int | None) -> dict[str, Any]:
-    """What the replica's actor asks Ray for: its compute threads and planned memory."""
-    threads = config.options.get("n_threads")
-    out: dict[str, Any] = {"num_cpus": threads if isinstance(threads, int) and threads > 0
-                           else 1}
+def actor_resources(threads: int | None, planned_bytes: int | None) -> dict[str, Any]:
+    """What the replica's actor asks Ray for: its compute threads (``Backend.cpu_threads``;
+    None: one) and planned memory."""
+    out: dict[str, Any] = {"num_cpus": threads or 1}
     if planned_bytes:
         out["memory"] = planned_bytes
     return out
@@ -69,7 +68,7 @@ class RayEngineClient(RemoteEngineClient):
                  on_change: Callable[[RayEngineClient], None] | None = None,
                  on_loaded: Callable[[RayEngineClient], None] | None = None) -> None:
         super().__init__(config, replica_id, backend, plugins, on_change, on_loaded)
-        self.resources = actor_resources(config, planned_bytes)
+        self.resources = actor_resources(type(backend).cpu_threads(config), planned_bytes)
         self.node_id: str | None = None
         self._actor: Any = None
 

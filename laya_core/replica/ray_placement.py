@@ -71,7 +71,7 @@ def place(plan: Plan, cluster: Sequence[Node]) -> list[tuple[int, Node | None]]:
     free = [attrs.evolve(n) for n in cluster]
     out: list[tuple[int, Node | None]] = []
     for r in plan.replicas:
-        cpus = actor_resources(r.config, None)["num_cpus"]
+        cpus = actor_resources(r.cpu_threads, None)["num_cpus"]
         node = next((n for n in free if n.memory_bytes >= r.total_bytes and n.cpus >= cpus),
                     None)
         if node is not None:
@@ -100,7 +100,7 @@ def report(plan: Plan, address: str | None) -> tuple[str, bool]:
     ledgers = {r.replica: r for r in plan.replicas}
     for replica, node in place(plan, cluster):
         r = ledgers[replica]
-        ask = (f"{fmt_bytes(r.total_bytes)}, {actor_resources(r.config, None)['num_cpus']} "
+        ask = (f"{fmt_bytes(r.total_bytes)}, {actor_resources(r.cpu_threads, None)['num_cpus']} "
                "CPU")
         if node is None:
             ok = False

@@ -76,6 +76,10 @@ class LlamaCppBackend(Backend):
     supports_moving = False
     option_names = frozenset({"n_threads", "repack", "use_mmap", "flash_attn", "kv_unified",
                               "saved_kv_tokens"})
+    threads_option = "n_threads"
+    # GGUF is llama.cpp's own format: a manifest that names no backend runs a GGUF file here
+    # when several installed backends take it.
+    default_preference = 10
 
     @classmethod
     def check_option(cls, name: str, value: object) -> str | None:

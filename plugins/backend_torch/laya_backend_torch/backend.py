@@ -46,6 +46,7 @@ class TorchBackend(Backend):
     supports_embeddings = True
     embeds_in_chunks = True  # embed_step: chunks of inputs, several inputs a pass
     option_names = frozenset(options.OPTIONS)
+    threads_option = "n_threads"
 
     @classmethod
     def check_option(cls, name: str, value: object) -> str | None:

@@ -4,10 +4,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 
+from laya_core.backend import Backend, ModelConfig
 from laya_core.config import manifest as mf
-from laya_core.plugins import load_registry
+from laya_core.plugins import Registered, Registry, load_registry
 
 
 def model(**overrides: object) -> dict[str, object]:
@@ -24,7 +26,8 @@ def test_defaults_are_safe() -> None:
     assert m.server.host == "127.0.0.1" and m.server.port == 8000
     assert m.memory.budget_bytes is None
     (config,) = m.models
-    assert config.backend == "llamacpp"
+    assert config.backend == "auto"  # chosen from the installed backends by resolve()
+    assert mf.resolve(m, load_registry()).models[0].backend == "llamacpp"  # GGUF's own
     assert config.max_seq_len is None  # decided at load: min(4096, the model's own)
     assert config.max_num_seqs is None  # decided by the plan: 4, or what kv_cache_tokens holds
     assert config.replicas == 1 and config.kv_cache_dtype == "f16"
@@ -281,3 +284,56 @@ def test_allowed_hosts_errors_name_the_entry(value: object, key: str, said: str)
     with pytest.raises(mf.ManifestError) as info:
         parse(server={"allowed_hosts": value})
     assert info.value.key == key and said in info.value.message, info.value
+
+
+def with_backends(*backends: type[Backend]) -> Registry:
+    """The installed registry with only ``backends`` as its backends."""
+    registry = load_registry()
+    return attrs.evolve(registry, backends={
+        b.name: Registered("backend", b.name, b, "test") for b in backends})
+
+
+def backend_class(name: str, preference: int = 0, takes: bool = True) -> type[Backend]:
+    def check_model_path(cls: type[Backend], path: str) -> str | None:
+        return None if takes else f"the {name} backend does not take {path}"
+
+    return type(name.title(), (Backend,), {  # abstract: the manifest never builds one
+        "name": name, "default_preference": preference,
+        "check_model_path": classmethod(check_model_path)})
+
+
+def test_a_model_without_backend_gets_an_installed_one() -> None:
+    def chosen(*backends: type[Backend]) -> str:
+        return mf.resolve(parse(), with_backends(*backends)).models[0].backend
+
+    assert chosen(backend_class("solo")) == "solo"  # the only one installed
+    assert chosen(backend_class("b"), backend_class("a")) == "a"  # ties: by name
+    assert chosen(backend_class("a"), backend_class("z", preference=5)) == "z"
+    # Of those that take the model, even where one that does not is preferred:
+    assert chosen(backend_class("a", preference=9, takes=False), backend_class("b")) == "b"
+    with pytest.raises(mf.ManifestError) as info:
+        mf.resolve(parse(), with_backends())
+    assert info.value.key == "models[0].backend"
+    assert "no backend is installed" in info.value.message
+    # A backend the manifest names is kept, whatever the preferences say.
+    named = mf.from_dict({"models": [model(backend="a")]})
+    assert mf.resolve(named, with_backends(backend_class("a"), backend_class(
+        "z", preference=5))).models[0].backend == "a"
+
+
+def test_a_plan_without_backends_keeps_the_generic_profile() -> None:
+    resolved = mf.resolve(parse(), with_backends(), need_backends=False)
+    assert resolved.models[0].backend == "auto"
+
+
+def test_a_backends_threads_option_gives_its_cpu_threads() -> None:
+    class Threads(Backend):
+        threads_option = "workers"
+
+    def config(**options: object) -> ModelConfig:
+        return ModelConfig("m", "x", "p", options=options)
+
+    assert Threads.cpu_threads(config(workers=3)) == 3
+    assert Threads.cpu_threads(config(workers="auto")) is None
+    assert Threads.cpu_threads(config(workers=True)) is None
+    assert Backend.cpu_threads(config(workers=3)) is None  # no threads_option: not known

@@ -128,3 +128,14 @@ def test_default_max_seq_len_is_the_smaller_of_4096_and_the_models(tmp_path: Pat
                                                       "max_position_embeddings": 2048}))}])
     assert [r.max_seq_len for r in plan.replicas] == [4096, 2048]
     assert [r.config.max_num_seqs for r in plan.replicas] == [4, 4]
+
+
+def test_ray_asks_for_the_threads_the_backend_says_a_replica_uses() -> None:
+    from laya_core.replica.ray_placement import Node, place
+
+    model = {"name": "m", "path": "embedded:smollm2-135m-instruct", "backend": "llamacpp"}
+    plan = plan_of([{**model, "options": {"n_threads": 3}}, {**model, "name": "n"}])
+    assert [r.cpu_threads for r in plan.replicas] == [3, None]  # None: Ray's one CPU
+    two, four = Node("a", "10.0.0.1", 2**40, 2.0), Node("b", "10.0.0.2", 2**40, 4.0)
+    assert [node.node_id if node else None for _, node in place(plan, [two, four])] == \
+        ["b", "a"]  # three threads fit only the node of four CPUs
