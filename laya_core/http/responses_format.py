@@ -66,8 +66,8 @@ def renamed(e: APIError) -> APIError:
         if new == old or new.startswith((old + ".", old + "[")):
             new = to + new[len(old):]
             break
-    message = e.message.replace("'max_tokens'", "'max_output_tokens'").replace(
-        "'response_format'", "'text.format'")
+    message = e.message.replace(f"'{param}'", f"'{new}'").replace(
+        "'max_tokens'", "'max_output_tokens'").replace("'response_format'", "'text.format'")
     return APIError(e.status, message, param=new, code=e.code, retry_after=e.retry_after)
 
 

@@ -11,7 +11,7 @@ from toy_backend import END, ToyTokenizer
 from laya_core.backend import ModelInfo
 from laya_core.http.chat_requests import parse_chat
 from laya_core.http.errors import APIError
-from laya_core.http.responses_format import parse_responses
+from laya_core.http.responses_format import parse_responses, renamed
 from laya_core.structured import formats
 from laya_core.structured.compiler import GrammarCompiler
 from laya_core.structured.spec import GrammarError
@@ -125,3 +125,10 @@ def test_responses_take_function_tools_beside_text_format() -> None:
     assert req.chat.tools is not None and req.chat.common.constraint is not None
     assert req.chat.common.constraint.kind == "tools_or_json"
     assert req.echo["text"]["format"]["name"] == "city"
+
+
+def test_a_responses_refusal_names_the_responses_field() -> None:
+    error = renamed(APIError(400, "'response_format.json_schema.schema' uses the JSON-schema "
+                             "keyword(s) uniqueItems", param="response_format.json_schema.schema"))
+    assert error.param == "text.format.schema"
+    assert error.message.startswith("'text.format.schema' uses")
