@@ -7,6 +7,7 @@ import logging
 import signal
 import socket
 import time
+from collections.abc import Sequence
 
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config
@@ -111,8 +112,11 @@ async def _serve(deployment: Deployment, listener: socket.socket, url: str) -> N
         watch.cancel()
 
 
-def serve(manifest: Manifest, registry: Registry, plan: Plan | None = None) -> int:
-    """Load every replica, serve HTTP, and return an exit status."""
+def serve(manifest: Manifest, registry: Registry, plan: Plan | None = None,
+          worker_plugins: Sequence[str] = ()) -> int:
+    """Load every replica, serve HTTP, and return an exit status. ``worker_plugins``:
+    ``module:attribute`` plugins of ``registry`` that are not installed, for the worker
+    processes to register too (a program that brings its own backend)."""
     server = manifest.server
     try:
         listener = listen(server)
@@ -123,7 +127,8 @@ def serve(manifest: Manifest, registry: Registry, plan: Plan | None = None) -> i
     # After listening: building the deployment may start processes (a local Ray's) that
     # bind ports of their own, and must not take the one the server was given.
     try:
-        deployment = Deployment(manifest, registry, plan, processes=True)
+        deployment = Deployment(manifest, registry, plan, processes=True,
+                                worker_plugins=worker_plugins)
     except BaseException:
         listener.close()
         raise

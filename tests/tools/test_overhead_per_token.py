@@ -1,0 +1,24 @@
+"""tools/overhead_per_token.py: a real server with an instant backend, its CPU per token."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "overhead_per_token.py"
+
+
+def test_it_serves_every_token_and_charges_each_layer() -> None:
+    run = subprocess.run([sys.executable, str(TOOL), "--requests", "2", "--max-tokens", "40"],
+                         capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["engine"] == "process"
+    assert result["tokens"] == 80 and result["chunks"] == 80  # one SSE chunk a token
+    assert result["server_cpu_us_per_token"] > 0 and result["wall_us_per_token"] > 0
+    layers = result["layers_us_per_token"]
+    for name in ("loop", "schedule", "detokenize", "deliver", "ipc_send", "ipc_receive",
+                 "http"):
+        assert layers[name] > 0, name
