@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
+from laya_core.kv.hashing import BLOCK_SIZE
 from laya_core.models.tokenizer import Tokenizer
 from laya_core.types import Sample, SamplingParams
 
@@ -154,6 +155,10 @@ class Backend(abc.ABC):
     # StepItem carries its block table) or "streams" (a KV stream per sequence, kept by the
     # backend's own cache policy).
     kv_layout: ClassVar[str] = "streams"
+    # Tokens per KV block: the core's KV manager hands out blocks of this many on the paged
+    # layout, and prefix reuse, the router's prefix hashes and /live count in them. A
+    # library with pages of its own size (exllamav2's 256) declares it here.
+    block_size: ClassVar[int] = BLOCK_SIZE
     # Whether step() scores ``StepItem.score_targets`` (prompt log-probabilities); requests
     # asking for them are refused on backends that do not.
     supports_prompt_logprobs: ClassVar[bool] = False
@@ -232,8 +237,8 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def allocate_kv(self, *, num_tokens: int, max_num_seqs: int) -> None:
-        """Allocate the fixed KV pool: ``num_tokens`` tokens (blocks of
-        ``laya_core.kv.hashing.BLOCK_SIZE`` tokens on the paged layout) for at most
+        """Allocate the fixed KV pool: ``num_tokens`` tokens (blocks of ``block_size``
+        tokens on the paged layout) for at most
         ``max_num_seqs`` running sequences. Called once, at load, by the cache policy
         (``KVCache.allocate``)."""
 

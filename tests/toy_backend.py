@@ -29,7 +29,6 @@ from laya_core.engine.allowed_tokens import NO_TOKEN_ALLOWED
 from laya_core.engine.engine import Engine
 from laya_core.engine.scheduler import FcfsScheduler
 from laya_core.hookspecs import hookimpl
-from laya_core.kv.hashing import BLOCK_SIZE
 from laya_core.kv.policies import PagedKVCache
 from laya_core.models.tokenizer import Tokenizer
 from laya_core.plugins import load_registry
@@ -81,9 +80,9 @@ class ToyBackend(Backend):
 
     def allocate_kv(self, *, num_tokens: int, max_num_seqs: int) -> None:
         self.num_tokens, self.max_num_seqs = num_tokens, max_num_seqs
-        # pool: [num_blocks][BLOCK_SIZE] token ids; None where no KV was ever written
-        self.pool: list[list[int | None]] = [[None] * BLOCK_SIZE
-                                             for _ in range(num_tokens // BLOCK_SIZE)]
+        # pool: [num_blocks][block_size] token ids; None where no KV was ever written
+        block = self.block_size
+        self.pool: list[list[int | None]] = [[None] * block for _ in range(num_tokens // block)]
 
     def tokenizer(self) -> ToyTokenizer:
         return ToyTokenizer()
@@ -107,13 +106,13 @@ class ToyBackend(Backend):
         assert expected in (None, item.start_pos), "tokens fed out of order"
         assert len(item.tokens) - item.sample <= len(item.score_targets) \
             or not item.score_targets, "a chunk scores each row that does not sample"
-        table, end = item.block_table, item.start_pos + len(item.tokens)
-        assert len(table) * BLOCK_SIZE >= end, "a block table too short for its tokens"
+        table, end, block = item.block_table, item.start_pos + len(item.tokens), self.block_size
+        assert len(table) * block >= end, "a block table too short for its tokens"
         for j, token in enumerate(item.tokens):
             p = item.start_pos + j
-            self.pool[table[p // BLOCK_SIZE]][p % BLOCK_SIZE] = token
+            self.pool[table[p // block]][p % block] = token
         self.started[item.seq_id] = end
-        history = [self.pool[table[p // BLOCK_SIZE]][p % BLOCK_SIZE] for p in range(end)]
+        history = [self.pool[table[p // block]][p % block] for p in range(end)]
         assert None not in history, "KV missing: a cached block that was never computed"
         scores = tuple(Sample(t, 0.0, ((t, 0.0),) if item.score_top else (), rank=1)
                        for t in item.score_targets)

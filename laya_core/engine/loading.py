@@ -24,7 +24,8 @@ def build_scheduler(config: ModelConfig, sizes: ModelConfig, backend: Backend,
             f"the cache policy {cache_cls.__name__} serves the "
             f"{cache_cls.layout} KV layout; the {backend.name} backend's is "
             f"{backend.kv_layout}: choose a cache_policy for it, or leave it auto")
-    kv = cache_cls(pool_tokens, num_seqs, prefix_caching=config.prefix_caching)
+    kv = cache_cls(pool_tokens, num_seqs, prefix_caching=config.prefix_caching,
+                   block_size=backend.block_size)
     kv.allocate(backend)
     step_tokens = sizes.max_step_tokens
     sched_config = SchedulerConfig(

@@ -22,7 +22,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from laya_core.kv.hashing import BLOCK_SIZE
 from laya_core.logs import resident_bytes
 from laya_core.memory.ledger import ReplicaLedger
 from laya_core.serving.deployment import Deployment
@@ -127,8 +126,8 @@ def _percentile(ordered: list[float], q: float) -> float | None:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
-def _blocks(tokens: int) -> int:
-    return -(-tokens // BLOCK_SIZE)
+def _blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
 
 
 def _ledger(ledger: ReplicaLedger | None) -> dict[str, Any] | None:
@@ -158,14 +157,16 @@ def snapshot(d: Deployment, window: LatencyWindow) -> dict[str, Any]:
         # A worker process's RSS is its own; a replica on a thread of the front end has
         # none of its own (the front end's, under "memory", holds it).
         rss = getattr(client, "resident_bytes", None)
-        total, used, cached = (_blocks(s.kv_capacity_tokens), _blocks(s.kv_used_tokens),
-                               _blocks(s.kv_cached_tokens))
+        block = d.block_sizes[s.model]
+        total, used, cached = (_blocks(s.kv_capacity_tokens, block),
+                               _blocks(s.kv_used_tokens, block),
+                               _blocks(s.kv_cached_tokens, block))
         model["replicas"].append({
             "replica": s.replica_id, "state": s.state.value, "error": s.error,
             "process": "worker" if rss is not None else "front end",
             "rss_bytes": rss() if rss is not None else None,
             "ledger": _ledger(ledgers.get(s.replica_id)),
-            "kv": {"block_tokens": BLOCK_SIZE, "blocks_total": total, "blocks_used": used,
+            "kv": {"block_tokens": block, "blocks_total": total, "blocks_used": used,
                    "blocks_cached": cached, "blocks_free": max(0, total - used - cached),
                    "capacity_tokens": s.kv_capacity_tokens, "used_tokens": s.kv_used_tokens,
                    "cached_tokens": s.kv_cached_tokens},

@@ -116,7 +116,8 @@ async def _submit(deployment: Deployment, req: GenerationRequest, prompt: list[i
                   discard_output: bool = False) -> Running:
     t0 = time.perf_counter()
     # Hashing the prompt's leading blocks is routing work, so it counts in the route time.
-    prefix = prefix_hashes(prompt) if deployment.models[req.model].routing == "prefix" else ()
+    prefix = prefix_hashes(prompt, deployment.block_sizes[req.model]) \
+        if deployment.models[req.model].routing == "prefix" else ()
     replica, route_s = route(deployment, req.model, session, prefix, t0)
     client = deployment.clients[replica]
     try:

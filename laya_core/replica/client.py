@@ -29,6 +29,7 @@ from laya_core.engine.layer_clock import BACKEND, PREFILL, LayerClock
 from laya_core.engine.limits import RequestTooLongError
 from laya_core.engine.state import EngineState, EngineUnavailableError, QueueFullError
 from laya_core.engine.stream import GenerationStream
+from laya_core.kv.hashing import BLOCK_SIZE
 from laya_core.models.tokenizer import Tokenizer
 from laya_core.structured.compiler import GrammarCompiler
 from laya_core.structured.spec import ConstraintSpec, GrammarError
@@ -53,6 +54,7 @@ class ReplicaInfo:
     # Whether the backend can embed at all (Backend.supports_embeddings); the model's
     # manifest entry may still leave embeddings off (supports_embeddings() says both).
     backend_embeds: bool = False
+    block_size: int = BLOCK_SIZE  # tokens per KV block (Backend.block_size)
 
 
 @attrs.frozen
@@ -102,7 +104,8 @@ def info_of(engine: Engine) -> ReplicaInfo:
         backend_name=engine.backend.name, max_seq_len=engine.max_seq_len,
         max_queue=engine.config.max_queue,
         supports_prompt_logprobs=engine.backend.supports_prompt_logprobs,
-        model_info=engine.info, backend_embeds=engine.backend.supports_embeddings)
+        model_info=engine.info, backend_embeds=engine.backend.supports_embeddings,
+        block_size=engine.backend.block_size)
 
 
 class EngineClient(abc.ABC):

@@ -98,6 +98,9 @@ class Deployment:
         # What the HTTP side uses, one per replica, by replica id (the router's choice).
         self.clients: list[EngineClient] = []
         self.models: dict[str, ModelConfig] = {}
+        # Tokens per KV block of each model's backend (Backend.block_size), known before
+        # any replica loads: the router's prefix hashes and /live's blocks count in them.
+        self.block_sizes: dict[str, int] = {}
         self.prompts = ChatPrompts()
         self.templates = self.prompts.sandbox
         self.started_at: float | None = None  # time.monotonic() when the loads began
@@ -109,6 +112,7 @@ class Deployment:
         transports.connect()  # Ray's cluster, where replicas run there
         for config in manifest.models:
             self.models[config.name] = config
+            self.block_sizes[config.name] = registry.backends[config.backend].obj.block_size
             apart = transports.runs_apart(config, registry.backends[config.backend].obj)
             for _ in range(config.replicas):
                 replica = len(self.clients)

@@ -18,7 +18,6 @@ import pytest
 
 from laya_core.engine.allowed_tokens import AllowedTokens
 from laya_core.engine.engine import Engine
-from laya_core.kv.hashing import BLOCK_SIZE
 from laya_core.models.files import read_shape
 from laya_core.serving.deployment import Deployment
 from laya_core.types import FinishReason, SamplingParams, Usage
@@ -123,10 +122,14 @@ def test_chunked_prefill_and_decode_give_the_tokens_of_a_lone_run(laya_engine: E
 
 
 def test_a_repeated_prompt_reuses_its_cached_prefix(laya_engine: Engine) -> None:
-    prompt = ids(laya_engine, LONG + " Again:")
+    block = laya_engine.backend.block_size  # the backend's own (Backend.block_size)
+    text = LONG
+    while len(ids(laya_engine, text)) < block + 8:  # at least one whole block to reuse
+        text += " " + LONG
+    prompt = ids(laya_engine, text + " Again:")
     first = run(laya_engine, prompt, max_tokens=4, temperature=0.0, ignore_eos=True)
     second = run(laya_engine, prompt, max_tokens=4, temperature=0.0, ignore_eos=True)
-    assert second.usage.cached_tokens >= BLOCK_SIZE, second.usage  # a block, not copied
+    assert second.usage.cached_tokens >= block, second.usage  # a block, not copied
     assert second.usage.cached_tokens < len(prompt)  # the last token is always computed
     assert second.tokens == first.tokens
     idle(laya_engine)

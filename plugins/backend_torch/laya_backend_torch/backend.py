@@ -134,12 +134,10 @@ class TorchBackend(Backend):
             special_tokens=tok.special_tokens)
 
     def allocate_kv(self, *, num_tokens: int, max_num_seqs: int) -> None:
-        from laya_core.kv.hashing import BLOCK_SIZE
-
         kv_dtype = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[
             self.config.kv_cache_dtype]
-        self._block_size = BLOCK_SIZE
-        self._model.allocate_kv(num_tokens // BLOCK_SIZE * BLOCK_SIZE,
+        self._block_size = self.block_size
+        self._model.allocate_kv(num_tokens // self.block_size * self.block_size,
                                 getattr(self._torch, kv_dtype))
         # The embedding scratch: one input's KV of its own, so an embedding never takes
         # blocks from the KV manager or writes a running sequence's (memory.py, embeddings).
