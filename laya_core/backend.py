@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
+from laya_core.kv.dtypes import FLOAT_KV_DTYPES, KVDtypes
 from laya_core.kv.hashing import BLOCK_SIZE
 from laya_core.models.tokenizer import Tokenizer
 from laya_core.types import Sample, SamplingParams
@@ -149,8 +150,10 @@ class Backend(abc.ABC):
     """
 
     name: ClassVar[str]
-    # KV cache element types this backend can store (a subset of kv_dtypes.KV_DTYPES).
-    kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("f16",)
+    # The KV cache element types this backend can store, each with its price: name ->
+    # (elements per block, bytes per block), laya_core/kv/dtypes.py. The manifest's
+    # kv_cache_dtype must name one; the memory plan prices it with this table.
+    kv_cache_dtypes: ClassVar[KVDtypes] = {"f16": FLOAT_KV_DTYPES["f16"]}
     # How the KV pool is laid out: "paged" (the core's KV manager hands out blocks and each
     # StepItem carries its block table) or "streams" (a KV stream per sequence, kept by the
     # backend's own cache policy).
@@ -226,7 +229,8 @@ class Backend(abc.ABC):
         compute = step * (shape.vocab_size + 4 * shape.hidden_size) * 4
         return MemoryProfile(
             weights_bytes=shape.weights_bytes, weights_source=shape.weights_source,
-            kv_bytes_per_token=kv_bytes_per_token(shape, config.kv_cache_dtype),
+            kv_bytes_per_token=kv_bytes_per_token(shape, config.kv_cache_dtype,
+                                                  cls.kv_cache_dtypes),
             kv_dtype=config.kv_cache_dtype,
             overheads=(Overhead("compute buffer", compute,
                                 f"generic: {step} step tokens x (vocab + 4 x hidden) x 4 B"),))

@@ -28,12 +28,12 @@ from laya_core.config.table import (
     non_empty,
     parse_size,
 )
-from laya_core.kv.dtypes import KV_DTYPE_NAMES
+from laya_core.kv.dtypes import kv_dtype_problems
 from laya_core.models.files import model_file_problem
 from laya_core.replica.worker_link import DEFAULT_SILENCE_S
 from laya_core.routing.router import POLICIES
 
-__all__ = ["AUTO_BACKEND", "CLUSTER_KEYS", "EMBEDDED_MODEL", "ENGINE_KINDS", "KV_CACHE_DTYPES",
+__all__ = ["AUTO_BACKEND", "CLUSTER_KEYS", "EMBEDDED_MODEL", "ENGINE_KINDS",
            "MEMORY_KEYS", "MODEL_KEYS", "ROUTER_KEYS", "SERVER_KEYS", "TOP_KEYS",
            "ClusterConfig", "Manifest", "ManifestError", "MemoryConfig", "RouterConfig",
            "ServerConfig", "build", "default_backend", "default_manifest",
@@ -130,7 +130,6 @@ MODEL_KEYS = ("name", "backend", "path", "max_seq_len", "max_num_seqs", "kv_cach
               "kv_cache_dtype", "prefix_caching", "routing", "replicas", "max_step_tokens",
               "max_queue", "queue_timeout_s", "scheduler", "cache_policy", "embeddings",
               "options")
-KV_CACHE_DTYPES = KV_DTYPE_NAMES
 
 
 def _name_problem(v: str) -> str | None:
@@ -158,9 +157,8 @@ def _model(data: Any, index: int, base_dir: Path, problems: Problems) -> ModelCo
     if kv_cache_tokens is not None and max_seq_len is not None and kv_cache_tokens < max_seq_len:
         t.problem("kv_cache_tokens", f"{kv_cache_tokens} tokens cannot hold one sequence of "
                   f"max_seq_len {max_seq_len}; raise it or lower max_seq_len")
-    kv_cache_dtype = t.get("kv_cache_dtype", str, "f16",
-                           check=lambda v: None if v in KV_CACHE_DTYPES else
-                           f"must be one of {', '.join(KV_CACHE_DTYPES)}")
+    # Checked against the chosen backend's KV types in resolve(): each backend declares its own.
+    kv_cache_dtype = t.get("kv_cache_dtype", str, "f16", check=non_empty)
     prefix_caching = t.get("prefix_caching", bool, True)
     # Checked against the chosen router's policies in resolve(): a router plugin may bring
     # its own.
@@ -380,10 +378,13 @@ def _resolve_model(m: ModelConfig, i: int, registry: Any, need_backends: bool,
                          f"(installed: {known}); install its plugin or fix the name"
                          + (f". Left out, perhaps the one: {failed}" if failed else ""))
     backend = registry.backends.get(m.backend)
-    if backend and m.kv_cache_dtype not in backend.obj.kv_cache_dtypes:
+    if backend and (broken := kv_dtype_problems(backend.obj.kv_cache_dtypes)):
+        problems.add(f"models[{i}].backend", f"the {m.backend} backend's kv_cache_dtypes "
+                     f"are wrong: {'; '.join(broken)} (a bug of its plugin)")
+    elif backend and m.kv_cache_dtype not in backend.obj.kv_cache_dtypes:
         problems.add(f"models[{i}].kv_cache_dtype",
-                     f"the {m.backend} backend cannot store a {m.kv_cache_dtype} KV "
-                     f"cache; it supports {', '.join(backend.obj.kv_cache_dtypes)}")
+                     f"the {m.backend} backend cannot store a {m.kv_cache_dtype!r} KV "
+                     f"cache; its KV types are {', '.join(backend.obj.kv_cache_dtypes)}")
     if backend and m.embeddings and not backend.obj.supports_embeddings:
         problems.add(f"models[{i}].embeddings",
                      f"the {m.backend} backend cannot compute embeddings; remove the key")

@@ -10,7 +10,7 @@ import attrs
 from laya_core.backend import Backend, MemoryProfile, ModelConfig, Overhead
 from laya_core.config.manifest import Manifest
 from laya_core.config.table import Problems
-from laya_core.kv.dtypes import KV_DTYPES
+from laya_core.kv.dtypes import bytes_per_element
 from laya_core.memory import budget as budget_mod
 from laya_core.memory.ledger import (
     FRONT_TOKENIZER_BYTES_PER_TOKEN,
@@ -114,7 +114,14 @@ def make_plan(manifest: Manifest, registry: Registry, serving: bool = False) -> 
         except ValueError as e:
             problems.add(f"{key}.kv_cache_tokens", str(e))
             continue
-        configs.append((decided, shape, _backend_cls(registry, m)))
+        cls = _backend_cls(registry, m)
+        if m.kv_cache_dtype not in cls.kv_cache_dtypes:  # a backend not installed here
+            problems.add(f"{key}.kv_cache_dtype", f"cannot price a {m.kv_cache_dtype!r} KV "
+                         f"cache: the {m.backend} backend, which declares its KV types, is "
+                         f"not installed here; plan where it is, or use "
+                         f"{', '.join(cls.kv_cache_dtypes)}")
+            continue
+        configs.append((decided, shape, cls))
     problems.raise_if_any()
     plan = _plan_for(configs, budget_mod.detect(manifest.memory.budget_bytes), processes)
     if plan.fits:
@@ -173,10 +180,14 @@ def _suggest_for(i: int, configs: list[tuple[ModelConfig, ModelShape, type[Backe
     n = _largest(lambda n: fits_with(max_num_seqs=n, kv_cache_tokens=n * seq_len), 1, seqs - 1)
     if n:
         out.append(f"{key}.max_num_seqs = {n} (keeping max_seq_len = {seq_len})")
-    for dtype in ("q8_0", "q4_0"):
-        if _bytes_per_element(dtype) < _bytes_per_element(config.kv_cache_dtype) and \
-                dtype in cls.kv_cache_dtypes and fits_with(kv_cache_dtype=dtype):
-            out.append(f'{key}.kv_cache_dtype = "{dtype}" (a quantized KV cache)')
+    # The backend's KV types that cost less, the least cut first (llama.cpp's f16: q8_0, q4_0).
+    price = cls.kv_cache_dtypes
+    cheaper = sorted((d for d in price if bytes_per_element(d, price)
+                      < bytes_per_element(config.kv_cache_dtype, price)),
+                     key=lambda d: -bytes_per_element(d, price))
+    for dtype in cheaper:
+        if fits_with(kv_cache_dtype=dtype):
+            out.append(f'{key}.kv_cache_dtype = "{dtype}" (a smaller KV element type)')
             break
     step = _largest(lambda n: fits_with(max_step_tokens=n * 64), max(1, -(-seqs // 64)),
                     (config.max_step_tokens - 1) // 64)
@@ -194,11 +205,6 @@ def _suggest_for(i: int, configs: list[tuple[ModelConfig, ModelShape, type[Backe
             out.append(f"{key}.max_step_tokens = {low_step} together with "
                        f"{key}.max_seq_len = {steps * _SEQ_LEN_STEP}")
     return out
-
-
-def _bytes_per_element(dtype: str) -> float:
-    block, size = KV_DTYPES[dtype]
-    return size / block
 
 
 def format_plan(plan: Plan) -> str:

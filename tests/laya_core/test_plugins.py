@@ -138,14 +138,20 @@ def test_hooks_are_called_through_pluggy_so_wrappers_see_each_call() -> None:
     assert len(seen) == len(registry.plugin_manager.hook.register_backends.get_hookimpls()) - 1
 
 
-def test_one_list_of_kv_dtypes() -> None:
-    from laya_core.kv.dtypes import KV_DTYPE_NAMES, KV_DTYPES, kv_bytes_per_token
+def test_each_backend_declares_and_prices_its_kv_dtypes() -> None:
+    from laya_core.kv.dtypes import kv_dtype_problems
 
-    assert mf.KV_CACHE_DTYPES == KV_DTYPE_NAMES == tuple(KV_DTYPES)
     registry = load_registry()
     for entry in registry.backends.values():
-        assert set(entry.obj.kv_cache_dtypes) <= set(KV_DTYPE_NAMES), entry.name
-    assert callable(kv_bytes_per_token)
+        assert kv_dtype_problems(entry.obj.kv_cache_dtypes) == [], entry.name
+    # llama.cpp's are ggml's, each one its loader can hand llama.cpp.
+    from laya_backend_llamacpp.memory import GGML_TYPE
+
+    llamacpp = registry.backends["llamacpp"].obj.kv_cache_dtypes
+    assert set(llamacpp) == set(GGML_TYPE) == {"f32", "f16", "bf16", "q8_0", "q4_0"}
+    assert llamacpp["q8_0"] == (32, 34) and llamacpp["q4_0"] == (32, 18)
+    assert set(registry.backends["torch"].obj.kv_cache_dtypes) == {"f32", "f16", "bf16"}
+    assert kv_dtype_problems({"q4": (32, 0)}) and kv_dtype_problems({})
 
 
 def test_the_cache_policy_follows_the_backends_kv_layout(tmp_path: Path) -> None:

@@ -39,7 +39,6 @@ from laya_core.backend import (
 from laya_core.engine.allowed_tokens import NO_TOKEN_ALLOWED
 from laya_core.engine.embed_jobs import EmbedPlan, embed_whole
 from laya_core.engine.threads import ThreadGovernor
-from laya_core.kv.dtypes import KV_DTYPE_NAMES
 from laya_core.models.files import ModelShape
 from laya_core.types import Sample, SamplingParams
 
@@ -65,7 +64,7 @@ class LlamaCppBackend(Backend):
     """
 
     name = "llamacpp"
-    kv_cache_dtypes = KV_DTYPE_NAMES  # ggml stores every type Laya knows
+    kv_cache_dtypes = memory.GGML_KV_DTYPES  # ggml's: f32, f16, bf16, q8_0, q4_0
     # A KV stream per slot, placed by the plugin's cache policy (streams.StreamsKVCache).
     kv_layout = "streams"
     supports_prompt_logprobs = True

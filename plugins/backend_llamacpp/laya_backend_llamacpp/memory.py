@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from laya_core.backend import MemoryProfile, ModelConfig, Overhead
-from laya_core.kv.dtypes import kv_bytes_per_token
+from laya_core.kv.dtypes import FLOAT_KV_DTYPES, kv_bytes_per_token
 from laya_core.memory.ledger import scored_tokens_per_step
 from laya_core.models.files import ModelShape
 
@@ -37,6 +37,9 @@ def _prompt_logits(vocab_size: int, num_rows: int) -> Overhead:
 
 # What llama.cpp's context parameters take for the KV element type and flash_attn.
 GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}  # enum ggml_type
+# The KV element types ggml stores, priced (LlamaCppBackend.kv_cache_dtypes): name ->
+# (elements per block, bytes per block); q8_0 and q4_0 pack 32 values with an f16 scale.
+GGML_KV_DTYPES = {**FLOAT_KV_DTYPES, "q8_0": (32, 34), "q4_0": (32, 18)}
 LLAMA_FLASH_ATTN = {"auto": -1, False: 0, True: 1}  # enum llama_flash_attn_type
 
 
@@ -121,7 +124,7 @@ def memory_profile(config: ModelConfig, shape: ModelShape) -> MemoryProfile:
     """
     step, seqs = config.max_step_tokens, config.max_num_seqs or 1
     pool = config.kv_cache_tokens or 0
-    per_token = kv_bytes_per_token(shape, config.kv_cache_dtype)
+    per_token = kv_bytes_per_token(shape, config.kv_cache_dtype, GGML_KV_DTYPES)
     unified, cells = kv_layout(config, pool, seqs)
     saved = saved_kv_tokens(config, pool)
     compute = step * (shape.vocab_size + 2 * shape.hidden_size) * 4

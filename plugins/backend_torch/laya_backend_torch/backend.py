@@ -24,6 +24,7 @@ from laya_core.backend import (
 )
 from laya_core.engine.embed_jobs import EmbedPlan, embed_whole, pooled_rows
 from laya_core.engine.threads import ThreadGovernor
+from laya_core.kv.dtypes import FLOAT_KV_DTYPES
 from laya_core.models.files import ModelShape, read_shape
 from laya_core.models.pooling import DEFAULT_POOLING
 from laya_core.types import Sample, SamplingParams
@@ -41,7 +42,7 @@ class TorchBackend(Backend):
 
     name = "torch"
     kv_layout = "paged"
-    kv_cache_dtypes = ("f32", "f16", "bf16")
+    kv_cache_dtypes = FLOAT_KV_DTYPES  # torch's float32, float16 and bfloat16
     supports_prompt_logprobs = True
     supports_embeddings = True
     embeds_in_chunks = True  # embed_step: chunks of inputs, several inputs a pass

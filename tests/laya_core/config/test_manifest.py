@@ -337,3 +337,23 @@ def test_a_backends_threads_option_gives_its_cpu_threads() -> None:
     assert Threads.cpu_threads(config(workers="auto")) is None
     assert Threads.cpu_threads(config(workers=True)) is None
     assert Backend.cpu_threads(config(workers=3)) is None  # no threads_option: not known
+
+
+def test_kv_cache_dtype_is_one_the_chosen_backend_declares() -> None:
+    exl = type("Exl", (Backend,), {"name": "exl", "kv_cache_dtypes": {
+        "fp16": (1, 2), "q8": (32, 34), "q6": (32, 26), "q4": (32, 18)}})
+    registry = with_backends(exl)
+    ok = mf.resolve(mf.from_dict({"models": [model(kv_cache_dtype="q6")]}), registry)
+    assert ok.models[0].kv_cache_dtype == "q6"
+    with pytest.raises(mf.ManifestError) as info:
+        mf.resolve(mf.from_dict({"models": [model(kv_cache_dtype="q8_0")]}), registry)
+    assert info.value.key == "models[0].kv_cache_dtype"
+    assert "fp16, q8, q6, q4" in info.value.message
+    with pytest.raises(mf.ManifestError) as info:  # llama.cpp's are ggml's
+        mf.resolve(mf.from_dict({"models": [model(kv_cache_dtype="q6")]}), load_registry())
+    assert info.value.key == "models[0].kv_cache_dtype"
+    assert "f32, f16, bf16, q8_0, q4_0" in info.value.message
+    broken = type("Broken", (Backend,), {"name": "broken", "kv_cache_dtypes": {"f16": 2}})
+    with pytest.raises(mf.ManifestError) as info:
+        mf.resolve(parse(), with_backends(broken))
+    assert info.value.key == "models[0].backend" and "kv_cache_dtypes" in info.value.message

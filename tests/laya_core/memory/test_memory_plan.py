@@ -39,9 +39,10 @@ def test_gguf_shape_of_the_embedded_model() -> None:
 
 def test_kv_bytes_for_quantized_caches_round_rows_to_blocks() -> None:
     shape = read_shape(embedded_file("smollm2-135m-instruct"))
+    ggml = load_registry().backends["llamacpp"].obj.kv_cache_dtypes  # the plugin's prices
     # A K row is 3 heads x 64 = 192 values = 6 blocks of 32: 6 x 34 B in q8_0, 6 x 18 B in q4_0.
-    assert kv_bytes_per_token(shape, "q8_0") == 30 * 2 * 6 * 34
-    assert kv_bytes_per_token(shape, "q4_0") == 30 * 2 * 6 * 18
+    assert kv_bytes_per_token(shape, "q8_0", ggml) == 30 * 2 * 6 * 34
+    assert kv_bytes_per_token(shape, "q4_0", ggml) == 30 * 2 * 6 * 18
 
 
 def test_seven_b_from_config_json_alone(tmp_path: Path) -> None:
@@ -139,3 +140,36 @@ def test_ray_asks_for_the_threads_the_backend_says_a_replica_uses() -> None:
     two, four = Node("a", "10.0.0.1", 2**40, 2.0), Node("b", "10.0.0.2", 2**40, 4.0)
     assert [node.node_id if node else None for _, node in place(plan, [two, four])] == \
         ["b", "a"]  # three threads fit only the node of four CPUs
+
+
+def test_the_plan_prices_kv_with_the_backends_own_types() -> None:
+    from laya_core.backend import Backend
+    from laya_core.hookspecs import hookimpl
+
+    class Exl(Backend):  # never loaded: the plan asks only its classmethods
+        name = "exl"
+        kv_cache_dtypes = {"fp16": (1, 2), "q8": (32, 34), "q6": (32, 26), "q4": (32, 18)}
+
+    class Plugin:
+        @hookimpl
+        def register_backends(self, register):  # type: ignore[no-untyped-def]
+            register("exl", Exl)
+
+    registry = load_registry([Plugin()])
+    shape = read_shape(embedded_file("smollm2-135m-instruct"))
+
+    def plan(budget: str, dtype: str) -> planner.Plan:
+        data = {"memory": {"budget": budget}, "models": [{
+            "name": "m", "backend": "exl", "path": "embedded:smollm2-135m-instruct",
+            "kv_cache_dtype": dtype, "max_seq_len": 8192, "max_num_seqs": 8}]}
+        return planner.make_plan(mf.resolve(mf.from_dict(data), registry), registry)
+
+    (r,) = plan("64GiB", "q6").replicas
+    # A K row: 3 heads x 64 = 192 values = 6 blocks of 32, 26 bytes each; K and V, 30 layers.
+    assert r.profile.kv_bytes_per_token == 30 * 2 * 6 * 26
+    assert r.profile.kv_bytes_per_token == kv_bytes_per_token(shape, "q6", Exl.kv_cache_dtypes)
+    # What does not fit at fp16 is offered the backend's own smaller types, least cut first.
+    fp16 = plan("64GiB", "fp16").replicas[0]
+    tight = fp16.total_bytes - fp16.kv_pool_bytes + fp16.kv_pool_bytes * 3 // 4
+    suggestions = plan(str(tight), "fp16").suggestions
+    assert 'models[0].kv_cache_dtype = "q8" (a smaller KV element type)' in suggestions
