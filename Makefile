@@ -58,9 +58,10 @@ serve: install
 # The suite on TEST_WORKERS processes (pytest-xdist), each test file whole in one of them
 # (its model or server loaded once), then the tests marked serial alone: they need every
 # core free. Listed before install, so a machine that lacks them stops before the long compile.
+# The 25 slowest tests are listed at the end, to keep the suite's time in view.
 TEST_WORKERS ?= 2
 test: test-system-deps install
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial" || failed=1; \
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial" --durations=25 || failed=1; \
 	$(BIN)/python -m pytest -m serial || failed=1; \
 	exit $${failed:-0}
 
