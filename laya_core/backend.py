@@ -162,6 +162,11 @@ class Backend(abc.ABC):
     # layout, and prefix reuse, the router's prefix hashes and /live count in them. A
     # library with pages of its own size (exllamav2's 256) declares it here.
     block_size: ClassVar[int] = BLOCK_SIZE
+    # The fewest prompt tokens a prompt's last chunk holds (unless the prompt is shorter),
+    # and so the fewest a prefix reuse leaves to compute. 1: the token the first output is
+    # sampled from. A library whose one-token batch takes other kernel paths than a longer
+    # chunk (llama.cpp) says 2, so a reused prefix answers as the first computation did.
+    min_last_prompt_chunk: ClassVar[int] = 1
     # Whether step() scores ``StepItem.score_targets`` (prompt log-probabilities); requests
     # asking for them are refused on backends that do not.
     supports_prompt_logprobs: ClassVar[bool] = False

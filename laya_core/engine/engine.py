@@ -147,7 +147,8 @@ class Engine:
         self._take_place()
         courier: Courier = loop or asyncio.get_running_loop()
         assert self.tokenizer is not None
-        seq = Request(next(self._ids), list(prompt_token_ids), params, constraint=constraint)
+        seq = Request(next(self._ids), list(prompt_token_ids), params, constraint=constraint,
+                      min_last_chunk=self.backend.min_last_prompt_chunk)
         stream = GenerationStream(seq.seq_id, seq.num_prompt_tokens, self.cancel)
         detok = IncrementalDetokenizer(self.tokenizer.token_bytes, params.stop)
         self._inbox.put(Live(seq, courier, sink or stream.queue, detok))

@@ -47,6 +47,10 @@ class Request:
     # Where set (structured output sets it), what this sequence may sample next; see
     # allowed_tokens().
     constraint: TokenConstraint | None = None
+    # The fewest prompt tokens the prompt's last chunk holds, unless the prompt is shorter,
+    # and so the fewest a prefix reuse leaves to compute: the backend's
+    # Backend.min_last_prompt_chunk (1: the token the first output is sampled from).
+    min_last_chunk: int = 1
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -97,17 +101,18 @@ class Request:
     def tokens_to_compute(self, limit: int) -> list[int]:
         """The next tokens to feed the model, at most ``limit`` of them.
 
-        A prompt's last chunk is never a single token (unless the prompt is): llama.cpp takes
-        other kernel paths for a one-token batch, so 512 + 1 would answer otherwise than
-        511 + 2 or 509 + 4 (measured: 0.004-0.05 in a log-probability). Where only a lone
-        token would be left, this chunk stops one short, or waits for a larger budget.
+        A prompt's last chunk holds at least ``min_last_chunk`` tokens (unless the prompt
+        is shorter): a backend whose one-token batch takes other kernel paths (llama.cpp:
+        512 + 1 answers otherwise than 511 + 2 or 509 + 4, by 0.004-0.05 in a
+        log-probability) says 2. Where fewer would be left, this chunk stops short, or waits
+        for a larger budget.
         """
         start = self.num_computed
         if start < self.num_prompt_tokens:
             remaining = self.num_prompt_tokens - start
             n = min(limit, remaining)
-            if remaining - n == 1:
-                n -= 1
+            if 0 < remaining - n < self.min_last_chunk:
+                n = max(0, remaining - self.min_last_chunk)
             return self.prompt_token_ids[start : start + n]
         out_start = start - self.num_prompt_tokens
         return self.output_token_ids[out_start : out_start + limit]

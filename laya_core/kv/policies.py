@@ -20,7 +20,6 @@ import attrs
 
 from laya_core.kv.hashing import BLOCK_SIZE
 from laya_core.kv.pool import KVManager
-from laya_core.kv.prefix import MIN_TAIL_TOKENS
 
 if TYPE_CHECKING:
     from laya_core.backend import Backend
@@ -145,12 +144,13 @@ def max_reuse_tokens(seq: Request, prefix_caching: bool) -> int:
     """How much of ``seq``'s prompt may come from the cache.
 
     Nothing for a prompt whose log-probabilities are wanted (cached KV has no logits); else
-    all but ``MIN_TAIL_TOKENS``: one gives the logits the first token is sampled from, and a
-    last chunk of one token takes other kernel paths than the longer chunk it replaces.
+    all but the prompt's last chunk (``Request.min_last_chunk``, the backend's): one token
+    gives the logits the first output is sampled from, and a backend whose one-token batch
+    takes other kernel paths than the longer chunk it replaces asks for more.
     """
     if not prefix_caching or seq.scores_prompt:
         return 0
-    return max(0, seq.num_prompt_tokens - MIN_TAIL_TOKENS)
+    return max(0, seq.num_prompt_tokens - seq.min_last_chunk)
 
 
 class PagedKVCache(KVCache):

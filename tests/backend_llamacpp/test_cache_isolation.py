@@ -6,7 +6,7 @@ left: a copy that lands later than a restore in the same step handed one user's 
 another conversation (issue 25). These tests apply such mixes at the backend and then check
 that every stream continues exactly as a cold prefill of its own tokens does (flash
 attention off: the exact path, so equal means bit for bit). A reused prefix always leaves at
-least two prompt tokens to compute, as the engine does (``prefix_cache.MIN_TAIL_TOKENS``): a
+least two prompt tokens to compute, as the engine does for llama.cpp (``Backend.min_last_prompt_chunk``): a
 one-row decode runs other kernels than a prompt's rows. A stream per slot (the layout the
 policy moves and copies between): in one shared buffer (``kv_unified``) a copy is a tag on the
 same cells, applied at once, and a sequence's sums depend on the other sequences' cells.

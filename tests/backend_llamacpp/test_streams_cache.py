@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+from laya_backend_llamacpp.backend import LlamaCppBackend
 from laya_backend_llamacpp.stream_ops import (
     DropStream,
     ForgetSaved,
@@ -21,12 +22,13 @@ from laya_core.engine.engine import Engine
 from laya_core.engine.request import Request
 from laya_core.engine.scheduler import FcfsScheduler, SchedulerConfig
 from laya_core.kv.policies import KVOp
-from laya_core.kv.prefix import MIN_TAIL_TOKENS
 from laya_core.types import SamplingParams
 
 
 def seq(i: int, prompt: list[int], max_tokens: int = 4) -> Request:
-    return Request(i, prompt, SamplingParams(max_tokens))
+    # As the engine of a llama.cpp replica makes it: a last prompt chunk of two or more.
+    return Request(i, prompt, SamplingParams(max_tokens),
+                   min_last_chunk=LlamaCppBackend.min_last_prompt_chunk)
 
 
 def scheduler(num_seqs: int, step: int, pool: int, compaction: bool = False) -> FcfsScheduler:
@@ -105,7 +107,7 @@ def test_a_shorter_match_copies_and_keeps_the_cached_conversation() -> None:
     again = seq(3, [*SYSTEM, *range(1, 30)])
     s.add(again)
     s.schedule()
-    assert again.num_cached_tokens == len(again.prompt_token_ids) - MIN_TAIL_TOKENS
+    assert again.num_cached_tokens == len(again.prompt_token_ids) - 2  # the last chunk
 
 
 def test_a_repeated_answer_is_cached_once_and_a_new_answer_replaces_the_old() -> None:

@@ -76,6 +76,10 @@ class LlamaCppBackend(Backend):
     option_names = frozenset({"n_threads", "repack", "use_mmap", "flash_attn", "kv_unified",
                               "saved_kv_tokens"})
     threads_option = "n_threads"
+    # llama.cpp takes other kernel paths for a one-token batch: a prompt's last chunk of 512 +
+    # 1 answered otherwise than 511 + 2 or 509 + 4 (0.004-0.05 in a log-probability), so a
+    # last chunk holds two tokens, and a reused prefix leaves two to compute.
+    min_last_prompt_chunk = 2
     # GGUF is llama.cpp's own format: a manifest that names no backend runs a GGUF file here
     # when several installed backends take it.
     default_preference = 10

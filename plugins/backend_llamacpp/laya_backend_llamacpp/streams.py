@@ -38,8 +38,8 @@ from laya_backend_llamacpp.stream_ops import (
     StartStream,
 )
 from laya_core.engine.request import Request
-from laya_core.kv.policies import KVCache, KVOp, max_reuse_tokens
 from laya_core.kv.hashing import BLOCK_SIZE
+from laya_core.kv.policies import KVCache, KVOp, max_reuse_tokens
 from laya_core.kv.prefix import MIN_REUSE_TOKENS, best_match, common_prefix_len
 
 
@@ -327,7 +327,7 @@ class StreamsKVCache(KVCache):
         wanted = set()
         for seq in itertools.islice(self._waiting, self.num_slots):
             if seq.num_prompt_tokens > MIN_REUSE_TOKENS and not seq.scores_prompt:
-                match = best_match(seq.prompt_token_ids, candidates)
+                match = best_match(seq.prompt_token_ids, candidates, seq.min_last_chunk)
                 if match is not None:
                     wanted.add(match[0])
         return wanted
@@ -396,5 +396,6 @@ class StreamsKVCache(KVCache):
         live = ((self._slot[s.seq_id], s.computed_token_ids)
                 for s in self._running if s.num_computed and s.seq_id in self._slot)
         prompt = seq.prompt_token_ids
-        return (best_match(prompt, itertools.chain(self.prefix.entries(), live)),
-                best_match(prompt, self.saved.items()))
+        tail = seq.min_last_chunk
+        return (best_match(prompt, itertools.chain(self.prefix.entries(), live), tail),
+                best_match(prompt, self.saved.items(), tail))

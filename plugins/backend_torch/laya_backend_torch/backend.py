@@ -48,6 +48,9 @@ class TorchBackend(Backend):
     embeds_in_chunks = True  # embed_step: chunks of inputs, several inputs a pass
     option_names = frozenset(options.OPTIONS)
     threads_option = "n_threads"
+    # A prompt's last chunk of two tokens or more, as before backends declared it: a
+    # one-row batch runs other matrix kernels than a longer chunk (not measured here).
+    min_last_prompt_chunk = 2
 
     @classmethod
     def check_option(cls, name: str, value: object) -> str | None:

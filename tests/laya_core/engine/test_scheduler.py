@@ -6,8 +6,9 @@ from laya_core.types import SamplingParams
 _ids = iter(range(10**6))
 
 
-def seq(prompt_len: int, max_tokens: int = 4) -> Request:
-    return Request(next(_ids), list(range(1, prompt_len + 1)), SamplingParams(max_tokens))
+def seq(prompt_len: int, max_tokens: int = 4, min_last_chunk: int = 1) -> Request:
+    return Request(next(_ids), list(range(1, prompt_len + 1)), SamplingParams(max_tokens),
+                   min_last_chunk=min_last_chunk)
 
 
 def scheduler(pool_tokens: int = 256, max_num_seqs: int = 4, step: int = 64) -> FcfsScheduler:
@@ -93,21 +94,26 @@ def test_refuses_what_can_never_fit() -> None:
         raise AssertionError("a sequence larger than the pool was accepted")
 
 
-def test_a_prompt_never_ends_in_a_one_token_chunk() -> None:
-    """llama.cpp computes a one-token batch with other kernels: 64 + 1 would answer otherwise
-    than 63 + 2 or 61 + 4, so the last chunk of a prompt always has two tokens or more."""
+def prefill_sizes(prompt_len: int, min_last_chunk: int) -> list[int]:
     s = scheduler(pool_tokens=1024, step=64)
-    alone = seq(65)
+    alone = seq(prompt_len, min_last_chunk=min_last_chunk)
     s.add(alone)
     sizes = []
     while alone.is_prefilling:
         chunks = s.schedule().chunks
         sizes.append(len(chunks[0].tokens))
         advance(chunks)
-    assert sizes == [63, 2]
-    single = seq(1)  # a one-token prompt has no other way
-    s.add(single)
-    assert [len(c.tokens) for c in s.schedule().chunks if c.seq is single] == [1]
+    return sizes
+
+
+def test_a_prompt_ends_in_a_chunk_of_at_least_the_backends_last_chunk() -> None:
+    """llama.cpp computes a one-token batch with other kernels: 64 + 1 would answer otherwise
+    than 63 + 2 or 61 + 4, so it asks for a last chunk of two tokens or more
+    (Backend.min_last_prompt_chunk); a backend without that rule takes 64 + 1."""
+    assert prefill_sizes(65, min_last_chunk=2) == [63, 2]
+    assert prefill_sizes(65, min_last_chunk=1) == [64, 1]
+    assert prefill_sizes(68, min_last_chunk=8) == [60, 8]
+    assert prefill_sizes(1, min_last_chunk=2) == [1]  # a one-token prompt has no other way
 
 
 def test_a_prompt_waits_rather_than_leave_a_lone_last_token() -> None:
@@ -116,7 +122,7 @@ def test_a_prompt_waits_rather_than_leave_a_lone_last_token() -> None:
     for d in decoding:
         s.add(d)
     advance(s.schedule().chunks)  # three sequences decode from now on: 1 token of budget left
-    late = seq(2)
+    late = seq(2, min_last_chunk=2)  # llama.cpp's rule
     s.add(late)
     chunks = s.schedule().chunks
     assert [c.seq for c in chunks] == decoding  # 1 token of 2 would leave a lone last one

@@ -5,9 +5,16 @@ The streams layout's retained slots are the llama.cpp plugin's
 
 from __future__ import annotations
 
-from toy_backend import follow_up_conversation, shared_prefix_workload, started_engine
+import asyncio
 
+from toy_backend import ToyBackend, follow_up_conversation, shared_prefix_workload, started_engine
+
+from laya_core.backend import ModelConfig
+from laya_core.engine.engine import Engine
+from laya_core.engine.scheduler import FcfsScheduler
+from laya_core.kv.policies import PagedKVCache
 from laya_core.kv.prefix import MIN_REUSE_TOKENS, best_match, common_prefix_len
+from laya_core.types import SamplingParams
 
 
 def test_common_prefix_len() -> None:
@@ -17,10 +24,11 @@ def test_common_prefix_len() -> None:
     assert common_prefix_len(list(range(1000)), [*range(777), -1]) == 777
 
 
-def test_best_match_leaves_two_tokens_and_ignores_short_matches() -> None:
+def test_best_match_leaves_the_last_chunk_and_ignores_short_matches() -> None:
     prompt = list(range(40))
     assert best_match(prompt, [(0, list(range(10))), (1, list(range(30)))]) == (1, 30)
-    assert best_match(prompt, [(0, list(range(100)))]) == (0, 38)  # a last chunk of 2
+    assert best_match(prompt, [(0, list(range(100)))]) == (0, 39)  # the token to sample from
+    assert best_match(prompt, [(0, list(range(100)))], min_tail=2) == (0, 38)  # llama.cpp's
     assert best_match(prompt, [(0, list(range(MIN_REUSE_TOKENS - 1)))]) is None
 
 
@@ -42,3 +50,26 @@ def test_many_requests_sharing_prefixes_all_get_exact_outputs() -> None:
     shared_prefix_workload(engine)
     assert engine.prefix_hits > 40
     assert engine.kv_used_tokens == 0 and engine.kv_cached_tokens > 0
+
+
+class LastChunkOfThree(ToyBackend):
+    min_last_prompt_chunk = 3
+
+
+def test_a_reused_prefix_leaves_the_backends_last_chunk_to_compute() -> None:
+    prompt = list(range(97, 97 + 34))  # 34 tokens: two whole blocks and 2 more
+
+    async def cached_and_text(engine: Engine) -> tuple[int, str]:
+        events = [e async for e in engine.submit(prompt, SamplingParams(max_tokens=6))]
+        return events[-1].usage.cached_tokens, "".join(e.text for e in events)
+
+    for backend, reused in ((ToyBackend, 32), (LastChunkOfThree, 16)):
+        cfg = ModelConfig(name="toy", backend="toy", path="-", max_seq_len=128, max_num_seqs=2)
+        engine = Engine(cfg, backend(cfg), FcfsScheduler, PagedKVCache)
+        engine.start()
+        assert engine.wait_ready(5)
+        first, second = asyncio.run(cached_and_text(engine)), asyncio.run(cached_and_text(engine))
+        engine.stop()
+        # 34 - 1 leaves two whole blocks to reuse; 34 - 3, one.
+        assert (first[0], second[0]) == (0, reused), backend.__name__
+        assert first[1] == second[1] == bytes(prompt[:6]).decode()  # the toy repeats its prompt

@@ -65,9 +65,9 @@ def test_the_pool_and_prefix_reuse_count_in_the_backends_blocks(
     assert engine.scheduler.kv.block_size == backend.block_size
     prompt = bytes(range(97, 97 + 26)) * 3  # 78 tokens
     assert cached_tokens(engine, prompt) == 0
-    # Whole blocks of the backend's size, leaving at least two tokens to compute.
-    assert cached_tokens(engine, prompt) == (len(prompt) - 2) // backend.block_size \
-        * backend.block_size
+    # Whole blocks of the backend's size, leaving its last prompt chunk to compute.
+    assert cached_tokens(engine, prompt) == (len(prompt) - backend.min_last_prompt_chunk) \
+        // backend.block_size * backend.block_size
     engine.stop()
     # Every output exact while blocks are shared, reused and evicted (the toy repeats its
     # prompt, reading its history through the block tables only).
