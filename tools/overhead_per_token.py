@@ -1,12 +1,15 @@
 """Laya's own work per streamed token: a real server whose backend answers instantly.
 
-    python tools/overhead_per_token.py --engine process --requests 10 --max-tokens 480
+    python tools/overhead_per_token.py --engine process --requests 10 --max-tokens 480 \\
+        --step-ms 5
 
 With the model's compute taken out, what a token still costs is Laya's: the engine loop,
 scheduling, detokenizing, the hand-over, the worker's message, the front end's receive and
 the SSE chunk. The program starts ``laya serve``'s code (a worker process by default) with
-an instant backend defined here (each step returns the letter ``a`` for every sequence, in
-microseconds), streams completions one at a time from another process, and prints the CPU
+an instant backend defined here (each step returns the letter ``a`` for every sequence,
+after ``--step-ms`` of sleep: a model's step time without its CPU, so that each step's
+events leave in a message of their own as with a real model, instead of several steps'
+together), streams completions one at a time from another process, and prints the CPU
 time the server's whole process tree spent per token (``/proc``, through psutil), the wall
 time per token the client saw, and each layer's share from ``/metrics``. The client runs in
 its own process, so its work is not counted.
@@ -34,28 +37,17 @@ import psutil
 
 TOOLS = Path(__file__).resolve().parent
 ROOT = TOOLS.parent
+TESTS = ROOT / "tests"
 sys.path.insert(0, str(ROOT))
+sys.path.append(str(TESTS))  # last: tests/laya_core must not stand in for laya_core
+
+from toy_backend import END, ToyTokenizer  # noqa: E402 - the test suite's byte tokenizer
 
 from laya_core.backend import Backend, ModelInfo, StepItem, StepResult  # noqa: E402
 from laya_core.hookspecs import hookimpl  # noqa: E402
-from laya_core.models.tokenizer import Tokenizer  # noqa: E402
 from laya_core.types import Sample, SamplingParams  # noqa: E402
 
-END = 256
 LETTER = ord("a")
-
-
-class ByteTokenizer(Tokenizer):
-    """UTF-8 bytes as token ids, and an end token."""
-
-    vocab_size = 257
-    special_tokens: frozenset[str] = frozenset()
-
-    def encode(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return b"" if token_id == END else bytes([token_id])
 
 
 class InstantBackend(Backend):
@@ -63,6 +55,7 @@ class InstantBackend(Backend):
 
     name = "instant"
     kv_layout = "paged"
+    option_names = frozenset({"step_ms"})
 
     def load_weights(self) -> ModelInfo:
         return ModelInfo(n_ctx_train=4096, vocab_size=257, eog_token_ids=frozenset({END}),
@@ -71,16 +64,17 @@ class InstantBackend(Backend):
     def allocate_kv(self, *, num_tokens: int, max_num_seqs: int) -> None:
         pass
 
-    def tokenizer(self) -> ByteTokenizer:
-        return ByteTokenizer()
+    def tokenizer(self) -> ToyTokenizer:
+        return ToyTokenizer()
 
-    def load_tokenizer(self) -> ByteTokenizer:
-        return ByteTokenizer()
+    def load_tokenizer(self) -> ToyTokenizer:
+        return ToyTokenizer()
 
     def start_sequence(self, seq_id: int, params: SamplingParams) -> None:
         pass
 
     def step(self, items: Sequence[StepItem]) -> list[StepResult]:
+        time.sleep(self.config.options.get("step_ms", 0) / 1000)  # no CPU, no GIL
         return [StepResult(Sample(LETTER) if item.sample else None) for item in items]
 
     def free_sequence(self, seq_id: int) -> None:
@@ -96,7 +90,7 @@ class Plugin:
 PLUGIN = Plugin()
 
 
-def serve(port: int, engine: str, workdir: Path) -> int:
+def serve(port: int, engine: str, workdir: Path, step_ms: float) -> int:
     """The server side (this program run again with ``--serve``)."""
     from laya_core.cli.serve import serve as laya_serve
     from laya_core.config import manifest as mf
@@ -110,7 +104,7 @@ def serve(port: int, engine: str, workdir: Path) -> int:
     manifest = mf.resolve(mf.from_dict({
         "server": {"host": "127.0.0.1", "port": port}, "cluster": {"engine": engine},
         "models": [{"name": "instant", "backend": "instant", "path": str(weights),
-                    "max_seq_len": 4096}]}), registry)
+                    "max_seq_len": 4096, "options": {"step_ms": step_ms}}]}), registry)
     return laya_serve(manifest, registry, worker_plugins=["overhead_per_token:PLUGIN"])
 
 
@@ -142,10 +136,11 @@ def client_main(args: argparse.Namespace) -> dict[str, Any]:
     url = f"http://127.0.0.1:{port}"
     workdir = Path(tempfile.mkdtemp(prefix="laya-overhead-"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), str(TOOLS), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        [str(ROOT), str(TOOLS), *filter(None, [os.environ.get("PYTHONPATH")]), str(TESTS)])}
     log = (workdir / "server.log").open("wb")
     proc = subprocess.Popen([sys.executable, str(Path(__file__)), "--serve", str(port),
-                             "--engine", args.engine, "--workdir", str(workdir)],
+                             "--engine", args.engine, "--workdir", str(workdir),
+                             "--step-ms", str(args.step_ms)],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
@@ -180,7 +175,8 @@ def client_main(args: argparse.Namespace) -> dict[str, Any]:
     tokens = after["tokens"] - before["tokens"]
     layers = {k: round((after[k] - before.get(k, 0.0)) / tokens * 1e6, 1)
               for k in after if k not in ("tokens", "steps")}
-    return {"engine": args.engine, "tokens": int(tokens), "chunks": chunks,
+    return {"engine": args.engine, "step_ms": args.step_ms, "tokens": int(tokens),
+            "chunks": chunks,
             "server_cpu_us_per_token": round(cpu / tokens * 1e6, 1),
             "wall_us_per_token": round(wall / tokens * 1e6, 1),
             "layers_us_per_token": layers}
@@ -191,14 +187,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", default="process", choices=("process", "thread"))
     p.add_argument("--requests", type=int, default=10)
     p.add_argument("--max-tokens", type=int, default=480)
+    p.add_argument("--step-ms", type=float, default=5.0,
+                   help="each step's sleep (0: as fast as Laya goes, several steps a message)")
     p.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)
     p.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve is not None:
-        return serve(args.serve, args.engine, args.workdir)
+        return serve(args.serve, args.engine, args.workdir, args.step_ms)
     sys.path.insert(0, str(TOOLS))
     result = client_main(args)
-    print(f"{result['engine']}: {result['tokens']} tokens, server CPU "
+    print(f"{result['engine']}, steps of {result['step_ms']} ms: {result['tokens']} tokens, "
+          "server CPU "
           f"{result['server_cpu_us_per_token']} us/token, wall {result['wall_us_per_token']}"
           " us/token")
     for name, us in result["layers_us_per_token"].items():
