@@ -199,10 +199,26 @@ class Backend(abc.ABC):
             return value
         return None
 
+    # Whether a model's path is a local file or folder Laya reads (its header plans the
+    # memory). False: the path names what the backend reaches by other means (a URL, a
+    # remote model's name); ``laya check`` looks for no file, and ``laya plan`` takes the
+    # shape from ``model_shape``.
+    needs_model_file: ClassVar[bool] = True
+
     @classmethod
     def check_model_path(cls, path: str) -> str | None:
         """A problem with the model path for this backend (said to the user), or None."""
         return None
+
+    @classmethod
+    def model_shape(cls, path: str) -> ModelShape:
+        """The model's shape for the memory plan, from headers alone (nothing loaded). The
+        default reads the local GGUF file or Hugging Face folder; a backend without a local
+        file (``needs_model_file = False``) says what it knows, with ``weights_bytes`` the
+        memory this machine holds for the weights (0 when they live elsewhere)."""
+        from laya_core.models.files import read_shape
+
+        return read_shape(path)
 
     @classmethod
     def check_option(cls, name: str, value: object) -> str | None:

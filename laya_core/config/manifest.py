@@ -148,7 +148,8 @@ def _model(data: Any, index: int, base_dir: Path, problems: Problems) -> ModelCo
     # "auto": chosen in resolve() from the installed backends (default_backend).
     backend = t.get("backend", str, AUTO_BACKEND, check=non_empty)
     path = t.get("path", str, required=True, check=non_empty)
-    if path is not None and not _SCHEME_RE.match(path):  # SCHEME:NAME is a plugin's to say
+    # SCHEME:NAME is a plugin's to say, and a URL (a backend without a local file) no path.
+    if path is not None and not _SCHEME_RE.match(path) and "://" not in path:
         p = Path(path).expanduser()
         path = str(p if p.is_absolute() else (base_dir / p))
     max_seq_len = t.int_in("max_seq_len", 16, 1 << 20, None)
@@ -393,7 +394,8 @@ def _resolve_model(m: ModelConfig, i: int, registry: Any, need_backends: bool,
         _check_layout(backend.obj, m, i, registry, problems)
     if path_error is not None:
         raise path_error
-    if problem := model_file_problem(path):
+    needs_file = backend is None or backend.obj.needs_model_file  # not installed: as a file
+    if needs_file and (problem := model_file_problem(path)):
         raise ManifestError(f"models[{i}].path", problem)
     if backend and need_backends and (problem := backend.obj.check_model_path(path)):
         raise ManifestError(f"models[{i}].path", problem)

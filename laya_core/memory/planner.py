@@ -22,7 +22,7 @@ from laya_core.memory.ledger import (
     ReplicaLedger,
     decide_sizes,
 )
-from laya_core.models.files import ModelFileError, ModelShape, read_shape
+from laya_core.models.files import ModelFileError, ModelShape
 from laya_core.plugins import Registry
 from laya_core.structured.compiler import CACHE_BYTES as GRAMMAR_CACHE_BYTES
 from laya_core.structured.sandbox import CompileLimits
@@ -104,8 +104,9 @@ def make_plan(manifest: Manifest, registry: Registry, serving: bool = False) -> 
     configs, problems = [], Problems()
     for i, m in enumerate(manifest.models):
         key = f"models[{manifest.model_index.get(m.name, i)}]"
+        cls = _backend_cls(registry, m)
         try:
-            shape = read_shape(m.path)
+            shape = cls.model_shape(m.path)
         except ModelFileError as e:
             problems.add(f"{key}.path", str(e))
             continue
@@ -114,7 +115,6 @@ def make_plan(manifest: Manifest, registry: Registry, serving: bool = False) -> 
         except ValueError as e:
             problems.add(f"{key}.kv_cache_tokens", str(e))
             continue
-        cls = _backend_cls(registry, m)
         if m.kv_cache_dtype not in cls.kv_cache_dtypes:  # a backend not installed here
             problems.add(f"{key}.kv_cache_dtype", f"cannot price a {m.kv_cache_dtype!r} KV "
                          f"cache: the {m.backend} backend, which declares its KV types, is "

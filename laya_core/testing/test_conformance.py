@@ -18,7 +18,6 @@ import pytest
 
 from laya_core.engine.allowed_tokens import AllowedTokens
 from laya_core.engine.engine import Engine
-from laya_core.models.files import read_shape
 from laya_core.serving.deployment import Deployment
 from laya_core.types import FinishReason, SamplingParams, Usage
 
@@ -83,7 +82,7 @@ def test_the_memory_profile_is_sane_and_is_what_the_replica_holds(
         laya_deployment: Deployment, laya_engine: Engine, laya_rss_growth: int) -> None:
     config = laya_engine.config
     backend_cls = type(laya_engine.backend)
-    profile = backend_cls.memory_profile(config, read_shape(config.path))
+    profile = backend_cls.memory_profile(config, backend_cls.model_shape(config.path))
     assert profile.weights_bytes > 0 and profile.kv_bytes_per_token > 0
     for overhead in profile.overheads:
         assert overhead.bytes >= 0 and overhead.name and overhead.how, overhead
