@@ -71,14 +71,18 @@ test-fast: install
 
 # Programs the tests run that pip cannot install: Debian's Chromium, which
 # tests/integration/test_dashboard.py drives through Playwright (executable_path, no browser
-# download), and systemd-analyze, which tests/laya_core/cli/test_systemd.py verifies the generated
-# unit with. Installed with apt-get when make runs as root on Debian or Ubuntu; elsewhere make
-# stops before pytest with the command to run.
+# download); systemd-analyze, which tests/laya_core/cli/test_systemd.py verifies the generated
+# unit with; Node.js with npm, in which tests/integration/test_ai_sdk.py runs the Vercel AI SDK
+# (npm ci from its lock file, at test time). Installed with apt-get when make runs as root on
+# Debian or Ubuntu; elsewhere make stops before pytest with the command to run.
 test-system-deps:
 	@missing=""; needs=""; \
 	if ! [ -x /usr/bin/chromium ]; then missing="chromium"; needs="/usr/bin/chromium"; fi; \
 	if ! command -v systemd-analyze >/dev/null; then \
 	  missing="$${missing:+$$missing }systemd"; needs="$${needs:+$$needs and }systemd-analyze"; \
+	fi; \
+	if ! command -v node >/dev/null || ! command -v npm >/dev/null; then \
+	  missing="$${missing:+$$missing }nodejs npm"; needs="$${needs:+$$needs and }Node.js with npm"; \
 	fi; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
