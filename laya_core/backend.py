@@ -11,7 +11,7 @@ places them (``register_cache_policies``).
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
@@ -211,6 +211,17 @@ class Backend(abc.ABC):
         return None
 
     @classmethod
+    def check_model_metadata(cls, metadata: Mapping[str, Any],
+                             tensor_dims: Mapping[str, Sequence[int]]) -> str | None:
+        """A problem with a GGUF file's metadata (and its tensors' dimensions, by name) that
+        this backend's library would fail on, said to the user, or None. Called once the
+        core's own checks passed (``laya_core/models/checks.py``: counts present, whole and
+        consistent), by ``laya check`` and ``laya plan`` (``model_shape``); a library that
+        aborts the process on bad metadata (llama.cpp) checks its limits here and again
+        before it loads."""
+        return None
+
+    @classmethod
     def model_shape(cls, path: str) -> ModelShape:
         """The model's shape for the memory plan, from headers alone (nothing loaded). The
         default reads the local GGUF file or Hugging Face folder; a backend without a local
@@ -218,7 +229,7 @@ class Backend(abc.ABC):
         memory this machine holds for the weights (0 when they live elsewhere)."""
         from laya_core.models.files import read_shape
 
-        return read_shape(path)
+        return read_shape(path, cls.check_model_metadata)
 
     @classmethod
     def check_option(cls, name: str, value: object) -> str | None:

@@ -395,7 +395,8 @@ def _resolve_model(m: ModelConfig, i: int, registry: Any, need_backends: bool,
     if path_error is not None:
         raise path_error
     needs_file = backend is None or backend.obj.needs_model_file  # not installed: as a file
-    if needs_file and (problem := model_file_problem(path)):
+    check = backend.obj.check_model_metadata if backend else None
+    if needs_file and (problem := model_file_problem(path, check)):
         raise ManifestError(f"models[{i}].path", problem)
     if backend and need_backends and (problem := backend.obj.check_model_path(path)):
         raise ManifestError(f"models[{i}].path", problem)

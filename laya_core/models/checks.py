@@ -1,11 +1,13 @@
-"""Refuses GGUF metadata that llama.cpp would abort on, before any backend sees the file.
+"""Refuses GGUF metadata no sound model has, before any backend sees the file.
 
-llama.cpp checks much of a model's metadata with ``GGML_ASSERT``, which aborts the whole
-process instead of raising, and divides by head counts unchecked. So the values a plan or a
-backend relies on are checked here, each against the limit llama.cpp itself applies (cited
-below from its ``src/llama-model.cpp``, ``src/llama-hparams.h`` and ``ggml-cpu/ops.cpp``), and
-against the tensor table the metadata describes. A problem raises ``ModelFileError`` naming
-the metadata key.
+The values the memory plan and the backends rely on (layer, head and vocabulary counts, the
+embedding width, the context length) are checked here: present, whole numbers in range, and
+in agreement with each other and with the tensor table the metadata describes. A problem
+raises ``ModelFileError`` naming the metadata key.
+
+A backend's library may refuse more: llama.cpp aborts the whole process (``GGML_ASSERT``)
+on limits of its own, which its plugin checks (``Backend.check_model_metadata``) with the
+helpers here, saying who needs the value (``need``).
 """
 
 from __future__ import annotations
@@ -15,10 +17,9 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-# load_hparams: GGML_ASSERT(hparams.n_layer_all > 0 && hparams.n_layer_all <= LLAMA_MAX_LAYERS)
-LLAMA_MAX_LAYERS = 512
-# Counts llama.cpp reads as uint32 and multiplies in int32 or int64 arithmetic.
-_MAX_COUNT = 2**31 - 1
+# Counts are read as uint32 and multiplied in int32 or int64 arithmetic (llama.cpp does).
+MAX_COUNT = 2**31 - 1
+_NEED = "expected"  # how the core's own checks say what a value must be
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.")
 
 
@@ -26,26 +27,29 @@ class ModelFileError(ValueError):
     """The file is not a model Laya can read the shape of."""
 
 
-def _count(meta: Mapping[str, Any], key: str, low: int, high: int = _MAX_COUNT) -> int:
-    """The whole-number value of ``key``, which must be present, in [low, high]."""
+def count(meta: Mapping[str, Any], key: str, low: int, high: int = MAX_COUNT,
+          need: str = _NEED) -> int:
+    """The whole-number value of ``key``, which must be present, in [low, high]; a problem
+    says ``{key} is {value}; {need} {what}``."""
     value = meta.get(key)
     if value is None:
         raise ModelFileError(f"{key} is missing")
     if type(value) is not int:
-        raise ModelFileError(f"{key} is {value!r}; llama.cpp needs a whole number")
+        raise ModelFileError(f"{key} is {value!r}; {need} a whole number")
     if not low <= value <= high:
-        wanted = (f"{low} to {high}" if high < _MAX_COUNT else
+        wanted = (f"{low} to {high}" if high < MAX_COUNT else
                   f"at least {low}" if value < low else f"at most {high}")
-        raise ModelFileError(f"{key} is {value}; llama.cpp needs {wanted}")
+        raise ModelFileError(f"{key} is {value}; {need} {wanted}")
     return value
 
 
-def _optional_count(meta: Mapping[str, Any], key: str, low: int,
-                    high: int = _MAX_COUNT) -> int | None:
-    return None if meta.get(key) is None else _count(meta, key, low, high)
+def optional_count(meta: Mapping[str, Any], key: str, low: int, high: int = MAX_COUNT,
+                   need: str = _NEED) -> int | None:
+    return None if meta.get(key) is None else count(meta, key, low, high, need)
 
 
-def _number(meta: Mapping[str, Any], key: str, positive: bool) -> float | None:
+def number(meta: Mapping[str, Any], key: str, positive: bool,
+           need: str = _NEED) -> float | None:
     """A finite number (> 0 when ``positive``, else >= 0), or None when absent."""
     value = meta.get(key)
     if value is None:
@@ -53,8 +57,17 @@ def _number(meta: Mapping[str, Any], key: str, positive: bool) -> float | None:
     bound = "> 0" if positive else ">= 0"
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or value < 0 or (positive and value == 0):
-        raise ModelFileError(f"{key} is {value!r}; llama.cpp needs a finite number {bound}")
+        raise ModelFileError(f"{key} is {value!r}; {need} a finite number {bound}")
     return float(value)
+
+
+def head_dim_k(meta: Mapping[str, Any], arch: str) -> int:
+    """The K head size of metadata that :func:`check_metadata` passed: ``key_length``, else
+    the embedding width over the most heads of a layer."""
+    att = f"{arch}.attention"
+    heads = meta[f"{att}.head_count"]
+    n_heads = max(heads) if isinstance(heads, list) else heads
+    return int(meta.get(f"{att}.key_length") or meta[f"{arch}.embedding_length"] // n_heads)
 
 
 def _per_layer(meta: Mapping[str, Any], key: str, n_layers: int,
@@ -65,14 +78,14 @@ def _per_layer(meta: Mapping[str, Any], key: str, n_layers: int,
     if value is None and default is not None:
         return default
     if not isinstance(value, list):
-        return [_count(meta, key, 1)] * n_layers
+        return [count(meta, key, 1)] * n_layers
     if len(value) != n_layers:  # llama.cpp: "key %s has wrong array length"
         raise ModelFileError(f"{key} has {len(value)} entries; block_count is {n_layers}")
     for i, v in enumerate(value):
-        if type(v) is not int or not 0 <= v <= _MAX_COUNT:
-            raise ModelFileError(f"{key}[{i}] is {v!r}; llama.cpp needs 0 to {_MAX_COUNT}")
+        if type(v) is not int or not 0 <= v <= MAX_COUNT:
+            raise ModelFileError(f"{key}[{i}] is {v!r}; {_NEED} 0 to {MAX_COUNT}")
     if max(value) < 1:
-        raise ModelFileError(f"{key} is 0 in every layer; llama.cpp needs at least 1 head")
+        raise ModelFileError(f"{key} is 0 in every layer; {_NEED} at least 1 head")
     return value
 
 
@@ -109,13 +122,13 @@ def vocab_size(meta: Mapping[str, Any], arch: str) -> int:
     value = meta.get(key)
     n = len(value) if isinstance(value, list) else value
     if type(n) is not int or n < 1:
-        raise ModelFileError(f"{key} is {n!r}: the file has no vocabulary; llama.cpp needs at "
-                             "least 1 token")
+        raise ModelFileError(f"{key} is {n!r}: the file has no vocabulary; {_NEED} at least "
+                             "1 token")
     return n
 
 
 def check_metadata(meta: Mapping[str, Any], dims: Mapping[str, Sequence[int]]) -> str:
-    """Refuse metadata llama.cpp would abort on; returns the architecture.
+    """Refuse metadata no sound model has; returns the architecture.
 
     ``dims`` maps each tensor's name to its dimensions (ggml order, ``ne``).
     """
@@ -125,28 +138,17 @@ def check_metadata(meta: Mapping[str, Any], dims: Mapping[str, Sequence[int]]) -
     said = meta.get(f"{arch}.block_count")
     if type(said) is int:  # first, so that an absurd count is named beside the real one
         _check_layers_match(f"{arch}.block_count", said, list(dims))
-    n_layers = _count(meta, f"{arch}.block_count", 1, LLAMA_MAX_LAYERS)
+    n_layers = count(meta, f"{arch}.block_count", 1)
     att = f"{arch}.attention"
     heads = _per_layer(meta, f"{att}.head_count", n_layers, None)
     _check_heads(att, heads, _per_layer(meta, f"{att}.head_count_kv", n_layers, heads))
-    n_embd = _count(meta, f"{arch}.embedding_length", 1)
-    head_k = _optional_count(meta, f"{att}.key_length", 1)
-    _optional_count(meta, f"{att}.value_length", 1)
+    n_embd = count(meta, f"{arch}.embedding_length", 1)
+    head_k = optional_count(meta, f"{att}.key_length", 1)
+    optional_count(meta, f"{att}.value_length", 1)
     if head_k is None and n_embd % max(heads):  # n_embd_head_k = n_embd / n_head
         raise ModelFileError(f"{arch}.embedding_length ({n_embd}) is not a multiple of "
                              f"{att}.head_count ({max(heads)}) and {att}.key_length is absent")
-    _check_rope(meta, arch, head_k or n_embd // max(heads))
-    for key in (f"{att}.layer_norm_rms_epsilon", f"{att}.layer_norm_epsilon"):
-        _number(meta, key, positive=False)  # ggml's norms: GGML_ASSERT(eps >= 0.0f)
-    _count(meta, f"{arch}.context_length", 1)
+    count(meta, f"{arch}.context_length", 1)
     _check_tensor_shapes(arch, n_embd, vocab_size(meta, arch), dims)
     return arch
 
-
-def _check_rope(meta: Mapping[str, Any], arch: str, head_dim_k: int) -> None:
-    _number(meta, f"{arch}.rope.freq_base", positive=True)
-    _number(meta, f"{arch}.rope.scaling.factor", positive=False)  # 0 means none
-    key = f"{arch}.rope.dimension_count"
-    n_rot = _optional_count(meta, key, 2, head_dim_k)
-    if n_rot is not None and n_rot % 2:  # ggml_compute_forward_rope: n_dims % 2 == 0
-        raise ModelFileError(f"{key} is {n_rot}; llama.cpp needs an even number")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,13 @@ from laya_core.models.checks import ModelFileError, check_metadata, vocab_size
 from laya_core.models.gguf_header import GGUFTensor, read_gguf_header
 from laya_core.models.pooling import pooling_of_folder, pooling_of_gguf
 
-__all__ = ["ModelFileError", "ModelShape", "model_file_problem", "read_gguf", "read_hf_folder",
-           "read_shape"]
+__all__ = ["MetadataCheck", "ModelFileError", "ModelShape", "model_file_problem", "read_gguf",
+           "read_hf_folder", "read_shape"]
+
+# A backend's own check of a GGUF file's metadata and tensor dimensions (by tensor name),
+# run after the core's: a problem its library would fail on, or None
+# (Backend.check_model_metadata).
+MetadataCheck = Callable[[Mapping[str, Any], Mapping[str, Sequence[int]]], "str | None"]
 
 _KEEP_ITEMS = 4096  # longer arrays stand for their length: per-layer ones have <= 512 items
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1,
@@ -55,13 +61,17 @@ class ModelShape:
         return self.n_layers * self.n_kv_heads * (self.head_dim_k + self.head_dim_v)
 
 
-def read_gguf(path: Path) -> ModelShape:
-    """The shape of a GGUF file; ModelFileError when it is truncated, corrupt or unsafe."""
+def read_gguf(path: Path, check: MetadataCheck | None = None) -> ModelShape:
+    """The shape of a GGUF file; ModelFileError when it is truncated, corrupt or unsafe, or
+    when ``check`` (a backend's own) finds a problem."""
     try:
         header = read_gguf_header(path, keep_items=_KEEP_ITEMS,
                                   skip_prefixes=("tokenizer.ggml.",))  # the vocabulary
         meta, tensors = header.metadata, header.tensors
-        arch = check_metadata(meta, {t.name: t.dims for t in tensors})
+        dims = {t.name: t.dims for t in tensors}
+        arch = check_metadata(meta, dims)
+        if check is not None and (problem := check(meta, dims)):
+            raise ModelFileError(problem)
         return _shape_from_gguf(meta, arch, tensors)
     except ModelFileError as e:
         raise ModelFileError(f"{path}: {e}") from None
@@ -145,9 +155,10 @@ def read_hf_folder(folder: Path) -> ModelShape:
         weights_source=source, pooling=pooling_of_folder(folder))
 
 
-def model_file_problem(path: str | Path) -> str | None:
+def model_file_problem(path: str | Path, check: MetadataCheck | None = None) -> str | None:
     """What is wrong with a model path (said to the user), or None: it must be a regular file
-    or a folder, and a GGUF file's header must pass :func:`read_gguf`'s checks."""
+    or a folder, and a GGUF file's header must pass :func:`read_gguf`'s checks (with the
+    backend's ``check``)."""
     p = Path(path)
     if not p.exists():
         return f"no such file: {p}"
@@ -157,7 +168,7 @@ def model_file_problem(path: str | Path) -> str | None:
         with p.open("rb") as f:
             gguf = f.read(4) == b"GGUF"
         if gguf:
-            read_gguf(p)
+            read_gguf(p, check)
     except ModelFileError as e:
         return str(e)
     except OSError:
@@ -165,11 +176,12 @@ def model_file_problem(path: str | Path) -> str | None:
     return None
 
 
-def read_shape(path: str | Path) -> ModelShape:
-    """The shape of a GGUF file or a Hugging Face model folder, from headers only."""
+def read_shape(path: str | Path, check: MetadataCheck | None = None) -> ModelShape:
+    """The shape of a GGUF file or a Hugging Face model folder, from headers only; a GGUF
+    file's metadata also passes ``check``, a backend's own, where given."""
     p = Path(path)
     if p.is_dir():
         return read_hf_folder(p)
     if not p.is_file():
         raise ModelFileError(f"no such file or folder: {p}")
-    return read_gguf(p)
+    return read_gguf(p, check)

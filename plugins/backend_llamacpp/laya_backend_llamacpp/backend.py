@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,6 +27,7 @@ from laya_backend_llamacpp.memory import (
     kv_layout,
     saved_kv_tokens,
 )
+from laya_backend_llamacpp.metadata import metadata_problem
 from laya_backend_llamacpp.tokenizer import LlamaTokenizer, VocabularyTokenizer
 from laya_core.backend import (
     Backend,
@@ -111,6 +112,11 @@ class LlamaCppBackend(Backend):
         except OSError as e:
             return f"cannot read {path}: {e.strerror}"
         return None if magic == b"GGUF" else f"{path} is not a GGUF file"
+
+    @classmethod
+    def check_model_metadata(cls, metadata: Mapping[str, Any],
+                             tensor_dims: Mapping[str, Sequence[int]]) -> str | None:
+        return metadata_problem(metadata, tensor_dims)  # what llama.cpp would abort on
 
     @classmethod
     def memory_profile(cls, config: ModelConfig, shape: ModelShape) -> MemoryProfile:

@@ -15,6 +15,7 @@ from typing import Any
 from laya_backend_llamacpp import cpu
 from laya_backend_llamacpp.llama_log import LLAMA_LOG, weight_buffers
 from laya_backend_llamacpp.memory import GGML_TYPE, LLAMA_FLASH_ATTN, flash_attention
+from laya_backend_llamacpp.metadata import metadata_problem
 from laya_backend_llamacpp.tokenizer import LlamaTokenizer, special_texts, token_text
 from laya_core.backend import ModelConfig, ModelInfo
 from laya_core.models.files import read_shape
@@ -40,7 +41,7 @@ def load_model(ll: Any, config: ModelConfig) -> tuple[Any, dict[str, Any], str]:
     host = cpu.read_cpuinfo()
     features = cpu.build_features(ll.llama_print_system_info().decode("utf-8", "replace"))
     repack = cpu.choose_repack(config.options.get("repack", "auto"), host, features)
-    shape = read_shape(config.path)
+    shape = read_shape(config.path, metadata_problem)  # refuses what llama.cpp aborts on
     pooling = shape.pooling or DEFAULT_POOLING
     use_mmap = cpu.choose_mmap(
         config.options.get("use_mmap", "auto"), repack.enabled,
