@@ -22,11 +22,13 @@ MAX_CHARS = 64 * 2**20
 @attrs.frozen
 class Stored:
     """A response object, and its conversation as chat messages (its input after any
-    previous response's, and its output), without its instructions, as OpenAI continues."""
+    previous response's, and its output), without its instructions, as OpenAI continues;
+    and its own input items, for ``GET /v1/responses/{id}/input_items``."""
 
     response: dict[str, Any]
     conversation: tuple[dict[str, Any], ...]
     chars: int
+    input_items: tuple[dict[str, Any], ...] = ()
 
 
 class ResponseStore:
@@ -41,12 +43,15 @@ class ResponseStore:
     def get(self, response_id: str) -> Stored | None:
         return self._items.get(response_id)
 
-    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        chars = len(json.dumps(response)) + len(json.dumps(conversation))
+    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]],
+            input_items: tuple[dict[str, Any], ...] = ()) -> None:
+        chars = len(json.dumps(response)) + len(json.dumps(conversation)) \
+            + len(json.dumps(input_items))
         if chars > self.max_chars:
             return  # larger than the whole store: not kept
         self.delete(response["id"])
-        self._items[response["id"]] = Stored(response, tuple(conversation), chars)
+        self._items[response["id"]] = Stored(response, tuple(conversation), chars,
+                                             input_items)
         self.chars += chars
         while len(self._items) > self.max_responses or self.chars > self.max_chars:
             _, old = self._items.popitem(last=False)

@@ -36,14 +36,16 @@ from laya_core.http.response_store import ResponseStore, output_messages
 from laya_core.http.responses_format import ResponsesRequest, parse_responses, renamed
 from laya_core.http.sse import SSEResponse
 from laya_core.serving.deployment import Deployment
-from laya_core.structured.tools import ToolCallParser
+from laya_core.structured.tool_parsers import CallParser
 from laya_core.types import FinishReason, Timing
 
 
 def response_routes(deployment: Deployment, observer: Observer) -> list[Route]:
     handlers = ResponseHandlers(CompletionHandlers(deployment, observer))
     return [Route("/v1/responses", handlers.create, methods=["POST"]),
-            Route("/v1/responses/{response_id}", handlers.stored, methods=["GET", "DELETE"])]
+            Route("/v1/responses/{response_id}", handlers.stored, methods=["GET", "DELETE"]),
+            Route("/v1/responses/{response_id}/input_items", handlers.input_items,
+                  methods=["GET"])]
 
 
 def _id(prefix: str) -> str:
@@ -96,9 +98,40 @@ class ResponseHandlers:
             return JSONResponse({"id": response_id, "object": "response", "deleted": True})
         return JSONResponse(stored.response)
 
+    async def input_items(self, request: Request) -> Response:
+        """A stored response's input items, a page at a time, as OpenAI lists them: ``order``
+        "desc" (the default: the last item first) or "asc", ``limit`` 1 to 100 (20), and
+        ``after`` an item id of the list, to start after it."""
+        stored = self._stored(request.path_params["response_id"], "response_id")
+        query = request.query_params
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise invalid("order", f"'order' must be 'asc' or 'desc', got {order!r}")
+        try:
+            limit = int(query.get("limit", "20"))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            raise invalid("limit", "'limit' must be an integer from 1 to 100, got "
+                          f"{query.get('limit')!r}")
+        items = list(stored.input_items if order == "asc" else reversed(stored.input_items))
+        after = query.get("after")
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise invalid("after", f"no input item with id {after!r} in this response",
+                              code="not_found")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return JSONResponse({"object": "list", "data": page,
+                             "first_id": page[0]["id"] if page else None,
+                             "last_id": page[-1]["id"] if page else None,
+                             "has_more": len(items) > limit})
+
     def _keep(self, req: ResponsesRequest, body: dict[str, Any]) -> None:
         if req.store:
-            self.store.put(body, [*req.conversation, *output_messages(body["output"])])
+            self.store.put(body, [*req.conversation, *output_messages(body["output"])],
+                           req.input_items)
 
     def _object(self, req: ResponsesRequest, response_id: str, created: int, status: str,
                 output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
@@ -136,8 +169,8 @@ class ResponseHandlers:
         output: list[dict[str, Any]] = []
         status = "incomplete" if result.finish is FinishReason.LENGTH else "completed"
         text = result.text
-        if req.chat.tools:
-            parser = ToolCallParser()
+        parser = gen.tool_parser(runs[0], req.chat)
+        if parser is not None:
             text = "".join(v for kind, v in parser.feed(text) + parser.finish()
                            if kind == "content")
             calls = [_call(c, status) for c in parser.calls]
@@ -157,6 +190,7 @@ class ResponseHandlers:
                 created: int) -> Response:
         clock = runs[0].client.clock
         events = _Events(self, req, response_id, created)
+        events.parser = gen.tool_parser(runs[0], req.chat)
 
         async def stream() -> AsyncIterator[str]:
             timing: Timing | None = None
@@ -204,7 +238,7 @@ class _Events:
         self.sequence = 0
         self.output: list[dict[str, Any]] = []  # the items done
         self.open: dict[str, Any] | None = None  # the item being written
-        self.parser = ToolCallParser() if req.chat.tools else None
+        self.parser: CallParser | None = None  # the caller's, in its model's format
 
     def emit(self, kind: str, **fields: Any) -> str:
         """One event; its ``event:`` field follows the data line (SSE takes fields in any

@@ -17,6 +17,7 @@ left out of the prompt, as chat templates leave past reasoning out).
 from __future__ import annotations
 
 import re
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,6 +55,9 @@ class ResponsesRequest:
     # response's, then this input (what a stored response continues from).
     conversation: tuple[dict[str, Any], ...] = ()
     store: bool = True
+    # This request's input as items (a string input as one user message), each with an id:
+    # what GET /v1/responses/{id}/input_items lists.
+    input_items: tuple[dict[str, Any], ...] = ()
 
 
 def renamed(e: APIError) -> APIError:
@@ -87,6 +91,26 @@ def _text(content: Any, param: str) -> str:
                           "text only (input_text parts)", "unsupported_parameter")
         parts.append(part["text"])
     return "".join(parts)
+
+
+def input_items(raw: Any) -> tuple[dict[str, Any], ...]:
+    """``input`` (already checked by :func:`_messages`) as the Responses API lists it back:
+    items with their own ``id`` kept and one given to the others, a string as a user
+    message with one ``input_text`` part, a message's string content as such a part."""
+    items = [{"type": "message", "role": "user", "content": raw}] if isinstance(raw, str) \
+        else [dict(item) for item in raw]
+    out = []
+    for item in items:
+        kind = item.setdefault("type", "message")
+        if kind == "message":
+            if isinstance(item.get("content"), str):
+                item["content"] = [{"type": "input_text", "text": item["content"]}]
+            item.setdefault("status", "completed")
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                  "reasoning": "rs"}.get(kind, "item")
+        item.setdefault("id", f"{prefix}_{uuid.uuid4().hex}")
+        out.append(item)
+    return tuple(out)
 
 
 def _messages(raw: Any) -> list[dict[str, Any]]:
@@ -243,4 +267,5 @@ def parse_responses(body: Any, history: tuple[dict[str, Any], ...] = ()) -> Resp
             "text": {"format": (text or {}).get("format") or {"type": "text"}},
             "user": body.get("user"),
             "previous_response_id": body.get("previous_response_id")}
-    return ResponsesRequest(req, echo, tuple(conversation), store is not False)
+    return ResponsesRequest(req, echo, tuple(conversation), store is not False,
+                            input_items(body.get("input")))

@@ -230,3 +230,38 @@ def test_a_streamed_response_is_stored_too(client: openai.OpenAI) -> None:
                                           max_output_tokens=8, temperature=0, stream=True))
     final = events[-1].response
     assert client.responses.retrieve(final.id).output_text == final.output_text
+
+
+def test_input_items_list_a_stored_responses_own_input(client: openai.OpenAI,
+                                                       smollm_server: ServerProcess) -> None:
+    single = client.responses.create(model="smollm2", input=QUESTION, max_output_tokens=4,
+                                     temperature=0)
+    (item,) = client.responses.input_items.list(single.id).data
+    assert item.type == "message" and item.role == "user" and item.id
+    assert [(p.type, p.text) for p in item.content] == [("input_text", QUESTION)]
+
+    items = [{"type": "message", "role": "user", "content": "What is the weather?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+              "arguments": '{"city": "Oslo"}', "id": "fc_given"},
+             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
+    tools = [{"type": "function", "name": "get_weather", "description": "The weather",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    follow = client.responses.create(model="smollm2", input=items, tools=tools,
+                                     max_output_tokens=8, temperature=0,
+                                     previous_response_id=single.id)
+    listed = client.responses.input_items.list(follow.id)  # newest first, as OpenAI lists
+    assert [i.type for i in listed.data] == ["function_call_output", "function_call",
+                                             "message"]  # its own input, not the previous
+    assert listed.data[1].id == "fc_given" and listed.data[0].output == "sunny"
+    ascending = client.responses.input_items.list(follow.id, order="asc", limit=2)
+    assert [i.type for i in ascending.data] == ["message", "function_call"]
+    assert ascending.has_more and ascending.last_id == "fc_given"
+    rest = client.responses.input_items.list(follow.id, order="asc", after="fc_given")
+    assert [i.type for i in rest.data] == ["function_call_output"] and not rest.has_more
+
+    url = f"{smollm_server.url}/v1/responses"
+    for query, param in (("limit=0", "limit"), ("order=up", "order"), ("after=nope", "after")):
+        r = httpx.get(f"{url}/{follow.id}/input_items?{query}", timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.get(f"{url}/resp_gone/input_items", timeout=30)
+    assert r.status_code == 404 and "resp_gone" in r.json()["error"]["message"]
