@@ -97,8 +97,8 @@ def input_items(raw: Any) -> tuple[dict[str, Any], ...]:
     """``input`` (already checked by :func:`_messages`) as the Responses API lists it back:
     items with their own ``id`` kept and one given to the others, a string as a user
     message with one ``input_text`` part, a message's string content as such a part."""
-    items = [{"type": "message", "role": "user", "content": raw}] if isinstance(raw, str) \
-        else [dict(item) for item in raw]
+    items: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": raw}] \
+        if isinstance(raw, str) else [dict(item) for item in raw]
     out = []
     for item in items:
         kind = item.setdefault("type", "message")
