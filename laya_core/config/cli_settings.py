@@ -184,9 +184,16 @@ def _relabel(error: mf.ManifestError, labels: dict[str, str]) -> mf.ManifestErro
     return mf.ManifestError(key, message, more)
 
 
+def _model_path(text: str) -> str:
+    """A model named on the command line: a file or folder path, made absolute; an
+    ``embedded:`` name or a URL (for a backend without a local file) as written."""
+    if text.startswith("embedded:") or "://" in text:
+        return text
+    return str(Path(text).expanduser().absolute())
+
+
 def _single_model_data(path: str, name: str | None) -> dict[str, Any]:
-    if not path.startswith("embedded:"):
-        path = str(Path(path).expanduser().absolute())
+    path = _model_path(path)
     return {"models": [{"name": name or sources.model_name_for(path), "path": path}]}
 
 
@@ -257,10 +264,7 @@ def build(args: argparse.Namespace, registry: Registry,
             data = copy.deepcopy(mf.read_toml(path))
             base_dir, name = path.resolve().parent, str(path)
             if model is not None:
-                found.insert(0, Override("models[0].path",
-                                             str(Path(model).expanduser().absolute())
-                                             if not model.startswith("embedded:") else model,
-                                             model_label))
+                found.insert(0, Override("models[0].path", _model_path(model), model_label))
         else:
             if model is None:
                 data = _single_model_data(mf.EMBEDDED_MODEL, DEFAULT_MODEL_NAME)

@@ -42,8 +42,9 @@ class Plugin:
         register(Remote.name, Remote)
 
 
-def run(command: str, manifest: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    args = build_parser().parse_args([command, str(manifest)])
+def run(command: str, source: Path | str,
+        capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    args = build_parser().parse_args([command, str(source)])
     code = int(args.func(args, load_registry([Plugin()])))
     return code, capsys.readouterr().out
 
@@ -58,6 +59,9 @@ def test_check_and_plan_pass_without_a_model_file(
     assert f"ok: m: backend remote-toy, {URL}, max_seq_len 2048" in out
     code, out = run("plan", manifest, capsys)
     assert code == 0 and "held by the server at " + URL in out
+    # The URL alone as SOURCE: a model served alone, kept as written.
+    code, out = run("check", URL, capsys)
+    assert code == 0 and f"backend remote-toy, {URL}," in out
 
 
 def test_a_backend_that_needs_a_file_is_still_refused_a_url(tmp_path: Path) -> None:
