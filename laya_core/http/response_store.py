@@ -1,10 +1,11 @@
 """The stored responses of POST /v1/responses (``store``, the default): kept in memory for
-``GET``, ``DELETE`` and ``previous_response_id``, and bounded.
+``GET``, ``DELETE``, ``input_items`` and ``previous_response_id``, and bounded.
 
-Bounded by count (:data:`MAX_RESPONSES`) and by size (:data:`MAX_CHARS`, the characters of
-the responses and conversations held); past either, the oldest are dropped first, so a
-``previous_response_id`` that old is a 404 like an unknown one. The store is the server
-process's, not in the memory plan, and does not survive a restart.
+Each is kept as one compact JSON text (its response object, its conversation and its input
+items), so what the store holds is what it counts: at most :data:`MAX_RESPONSES` responses
+and :data:`MAX_BYTES` bytes of text, oldest dropped first (a ``previous_response_id`` that
+old is a 404 like an unknown one). :func:`planned_bytes` is its line in the memory plan.
+The store is the server process's and does not survive a restart.
 """
 
 from __future__ import annotations
@@ -16,7 +17,16 @@ from typing import Any
 import attrs
 
 MAX_RESPONSES = 1024
-MAX_CHARS = 64 * 2**20
+MAX_BYTES = 16 * 2**20
+# A kept response besides its text: the bytes object's header and the ordered dict's entry
+# and key (measured: about 180 B with a 33-character id; rounded up).
+ENTRY_BYTES = 256
+
+
+def planned_bytes(max_responses: int = MAX_RESPONSES, max_bytes: int = MAX_BYTES) -> int:
+    """The most the store can hold: its text and its entries (with the defaults, the memory
+    plan's ``RESPONSE_STORE_BYTES``)."""
+    return max_bytes + max_responses * ENTRY_BYTES
 
 
 @attrs.frozen
@@ -27,40 +37,42 @@ class Stored:
 
     response: dict[str, Any]
     conversation: tuple[dict[str, Any], ...]
-    chars: int
     input_items: tuple[dict[str, Any], ...] = ()
 
 
 class ResponseStore:
-    def __init__(self, max_responses: int = MAX_RESPONSES, max_chars: int = MAX_CHARS) -> None:
-        self.max_responses, self.max_chars = max_responses, max_chars
-        self._items: OrderedDict[str, Stored] = OrderedDict()
-        self.chars = 0
+    def __init__(self, max_responses: int = MAX_RESPONSES, max_bytes: int = MAX_BYTES) -> None:
+        self.max_responses, self.max_bytes = max_responses, max_bytes
+        self._items: OrderedDict[str, bytes] = OrderedDict()
+        self.bytes = 0  # the text held
 
     def __len__(self) -> int:
         return len(self._items)
 
     def get(self, response_id: str) -> Stored | None:
-        return self._items.get(response_id)
+        data = self._items.get(response_id)
+        if data is None:
+            return None
+        response, conversation, items = json.loads(data)
+        return Stored(response, tuple(conversation), tuple(items))
 
     def put(self, response: dict[str, Any], conversation: list[dict[str, Any]],
             input_items: tuple[dict[str, Any], ...] = ()) -> None:
-        chars = len(json.dumps(response)) + len(json.dumps(conversation)) \
-            + len(json.dumps(input_items))
-        if chars > self.max_chars:
-            return  # larger than the whole store: not kept
+        data = json.dumps([response, conversation, input_items], separators=(",", ":"),
+                          ensure_ascii=False).encode()
         self.delete(response["id"])
-        self._items[response["id"]] = Stored(response, tuple(conversation), chars,
-                                             input_items)
-        self.chars += chars
-        while len(self._items) > self.max_responses or self.chars > self.max_chars:
+        if len(data) > self.max_bytes:
+            return  # larger than the whole store: not kept
+        self._items[response["id"]] = data
+        self.bytes += len(data)
+        while len(self._items) > self.max_responses or self.bytes > self.max_bytes:
             _, old = self._items.popitem(last=False)
-            self.chars -= old.chars
+            self.bytes -= len(old)
 
     def delete(self, response_id: str) -> bool:
         old = self._items.pop(response_id, None)
         if old is not None:
-            self.chars -= old.chars
+            self.bytes -= len(old)
         return old is not None
 
 

@@ -19,7 +19,10 @@ from laya_core.models.files import ModelShape
 # allocator slack under load.
 # Plus the chat-template sandbox, a child process in the same cgroup, at its address-space
 # cap (laya_core/serving/template_sandbox.py; about 22 MiB resident when idle).
-RUNTIME_OVERHEAD_BYTES = 96 * 2**20 + 64 * 2**20
+# Plus the Responses API's store of responses (laya_core/http/response_store.py): at most
+# 16 MiB of their JSON text and 1024 entries of 256 B.
+RESPONSE_STORE_BYTES = 16 * 2**20 + 1024 * 256
+RUNTIME_OVERHEAD_BYTES = 96 * 2**20 + 64 * 2**20 + RESPONSE_STORE_BYTES
 # A replica in a worker process of its own (laya_core/replica/worker.py): Python, Laya and the
 # backend's library again. Measured (AMD EPYC, CPython 3.11): 41 MiB after importing the
 # worker and its core modules, 54 MiB with llama_cpp's library; the rest is the worker's

@@ -229,7 +229,8 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"  replica total      {fmt_bytes(r.total_bytes):>12}")
     lines += [
         f"runtime              {fmt_bytes(plan.runtime_bytes):>12}   Python, HTTP server, "
-        "libraries (once per process); the chat-template sandbox (64 MiB cap)"
+        "libraries (once per process); the chat-template sandbox (64 MiB cap); the "
+        "Responses API's stored responses (16.25 MiB cap)"
         + ("; each replica in a worker process of its own" if plan.processes else ""),
     ]
     if plan.shared_bytes_counted_once:

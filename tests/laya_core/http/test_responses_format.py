@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from laya_core.http.errors import APIError
-from laya_core.http.response_store import ResponseStore, output_messages
+from laya_core.http.response_store import ResponseStore, output_messages, planned_bytes
 from laya_core.http.responses_format import parse_responses
 
 
@@ -76,15 +76,44 @@ def test_a_previous_conversation_comes_before_the_input_without_its_instructions
 
 
 def test_the_store_keeps_the_newest_within_its_bounds() -> None:
-    store = ResponseStore(max_responses=2, max_chars=10_000)
+    store = ResponseStore(max_responses=2, max_bytes=10_000)
     for i in range(3):
         store.put({"id": f"r{i}", "output": []}, [{"role": "user", "content": "x"}])
     assert store.get("r0") is None and store.get("r1") and store.get("r2") and len(store) == 2
     store.put({"id": "big", "output": []}, [{"role": "user", "content": "x" * 9_000}])
-    assert store.get("big") and store.get("r1") is None and store.chars <= 10_000
+    assert store.get("big") and store.get("r1") is None and store.bytes <= 10_000
     store.put({"id": "huge", "output": []}, [{"role": "user", "content": "x" * 20_000}])
     assert store.get("huge") is None  # larger than the store: not kept
-    assert store.delete("big") and not store.delete("big") and store.chars <= 10_000
+    assert store.delete("big") and not store.delete("big") and store.bytes <= 10_000
+    # Counted in UTF-8 bytes, as held: two bytes a character here.
+    store.put({"id": "é", "output": []}, [{"role": "user", "content": "é" * 4_000}])
+    assert store.bytes > 8_000 and store.get("é").conversation[0]["content"] == "é" * 4_000
+
+
+def test_a_stored_response_comes_back_as_it_went_in() -> None:
+    store = ResponseStore()
+    response = {"id": "r", "output": [{"type": "message", "content": []}], "metadata": {"k": 1}}
+    items = ({"type": "message", "role": "user", "id": "msg_1",
+              "content": [{"type": "input_text", "text": "hi"}]},)
+    store.put(response, [{"role": "user", "content": "hi"}], items)
+    got = store.get("r")
+    assert got is not None and got.response == response and got.input_items == items
+    assert got.conversation == ({"role": "user", "content": "hi"},)
+
+
+def test_the_stores_plan_line_bounds_what_it_can_hold() -> None:
+    import sys
+
+    store = ResponseStore(max_responses=64, max_bytes=64 * 1024)
+    for i in range(200):
+        store.put({"id": f"resp_{i:032d}", "output": []},
+                  [{"role": "user", "content": "x" * 900}])
+    held = sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in store._items.items())
+    held += sys.getsizeof(store._items)
+    assert len(store) == 64 and held <= planned_bytes(64, 64 * 1024)
+    from laya_core.memory.ledger import RESPONSE_STORE_BYTES
+
+    assert planned_bytes() == RESPONSE_STORE_BYTES  # the memory plan counts the store
 
 
 def test_output_items_become_one_assistant_message() -> None:
