@@ -386,6 +386,10 @@ def _resolve_model(m: ModelConfig, i: int, registry: Any, need_backends: bool,
         problems.add(f"models[{i}].kv_cache_dtype",
                      f"the {m.backend} backend cannot store a {m.kv_cache_dtype!r} KV "
                      f"cache; its KV types are {', '.join(backend.obj.kv_cache_dtypes)}")
+    if backend and m.kv_cache_tokens is not None and m.kv_cache_tokens < backend.obj.block_size:
+        problems.add(f"models[{i}].kv_cache_tokens",
+                     f"{m.kv_cache_tokens} tokens are less than one KV block of the "
+                     f"{m.backend} backend ({backend.obj.block_size} tokens)")
     if backend and m.embeddings and not backend.obj.supports_embeddings:
         problems.add(f"models[{i}].embeddings",
                      f"the {m.backend} backend cannot compute embeddings; remove the key")

@@ -357,3 +357,13 @@ def test_kv_cache_dtype_is_one_the_chosen_backend_declares() -> None:
     with pytest.raises(mf.ManifestError) as info:
         mf.resolve(parse(), with_backends(broken))
     assert info.value.key == "models[0].backend" and "kv_cache_dtypes" in info.value.message
+
+
+def test_the_kv_pool_holds_at_least_one_block_of_the_backends() -> None:
+    pages = type("Pages", (Backend,), {"name": "pages", "block_size": 256})
+    small = mf.from_dict({"models": [model(kv_cache_tokens=128, max_seq_len=64)]})
+    with pytest.raises(mf.ManifestError) as info:
+        mf.resolve(small, with_backends(pages))
+    assert info.value.key == "models[0].kv_cache_tokens"
+    assert "less than one KV block of the pages backend (256 tokens)" in info.value.message
+    assert mf.resolve(small, load_registry()).models[0].kv_cache_tokens == 128  # blocks of 16
