@@ -13,7 +13,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from laya_core.http.errors import APIError
-from laya_core.structured.tools import ToolCallParser
+from laya_core.structured.tool_parsers import CallParser
 from laya_core.types import FinishReason
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -67,7 +67,7 @@ def matched_stop(text: str, token_ids: Iterable[int], token_bytes: Callable[[int
 
 
 def stop_reason(finish: FinishReason, stop: str | None,
-                parser: ToolCallParser | None) -> str:
+                parser: CallParser | None) -> str:
     if finish is FinishReason.LENGTH:
         return "max_tokens"
     if parser is not None and parser.calls and parser.complete:
@@ -83,7 +83,7 @@ def _input(arguments: str) -> Any:
     return value if isinstance(value, dict) else {}
 
 
-def content_blocks(text: str, parser: ToolCallParser | None) -> list[dict[str, Any]]:
+def content_blocks(text: str, parser: CallParser | None) -> list[dict[str, Any]]:
     """The message's content: its text, and with tools the calls as tool_use blocks."""
     if parser is None:
         return [{"type": "text", "text": text}] if text else []
@@ -110,7 +110,7 @@ class StreamBlocks:
     """Turns a stream's text into content-block events: text blocks, and with tools a
     tool_use block per call whose arguments arrive as input_json deltas."""
 
-    def __init__(self, parser: ToolCallParser | None) -> None:
+    def __init__(self, parser: CallParser | None) -> None:
         self.parser = parser
         self.index = -1
         self.open: str | None = None  # the type of the block open now

@@ -31,7 +31,7 @@ from laya_core.http.sse import SSEResponse
 from laya_core.serving.chat_template import TemplateError
 from laya_core.serving.deployment import Deployment
 from laya_core.structured.formats import CONSTRAINT_FIELDS
-from laya_core.structured.tools import ToolCallParser
+from laya_core.structured.tool_parsers import CallParser
 from laya_core.types import FinishReason, Timing
 
 T = TypeVar("T")
@@ -80,12 +80,13 @@ class CompletionHandlers:
                                                     "chat.completion.chunk")
         if req.common.stream:
             started: set[int] = set()
-            parsers = [ToolCallParser() for _ in runs] if req.tools else []
+            parsers = [gen.tool_parser(run, req) for run in runs] if req.tools else []
 
             def chunk(i: int, event: Any) -> dict[str, Any]:
-                if parsers:  # the delta first: the last event's text may end a call
-                    delta = tool_delta(parsers[i], event.text, event.finish_reason is not None)
-                    finish = _finish_reason(req, event.finish_reason, parsers[i])
+                parser = parsers[i] if parsers else None
+                if parser is not None:  # the delta first: the last event's text may end a call
+                    delta = tool_delta(parser, event.text, event.finish_reason is not None)
+                    finish = _finish_reason(req, event.finish_reason, parser)
                 else:
                     finish = event.finish_reason.value if event.finish_reason else None
                     delta = {"content": event.text}
@@ -102,8 +103,8 @@ class CompletionHandlers:
         for i, r in enumerate(results):
             message: dict[str, Any] = {"role": "assistant", "content": r.text}
             finish = r.finish.value
-            if req.tools:
-                parser = ToolCallParser()
+            parser = gen.tool_parser(runs[i], req)
+            if parser is not None:
                 content = "".join(text for kind, text in parser.feed(r.text) + parser.finish()
                                   if kind == "content")
                 message["content"] = content if content or not parser.calls else None
@@ -221,7 +222,7 @@ def _completion_choice(req: CompletionRequest, index: int, run: gen.Running, r: 
 
 
 def _finish_reason(req: ChatRequest, finish: FinishReason | None,
-                   parser: ToolCallParser) -> str | None:
+                   parser: CallParser) -> str | None:
     """OpenAI's finish reason with tools: "tool_calls" when the output ended on complete
     calls, but "stop" for a named tool_choice (as OpenAI answers); "length" whatever was cut
     short, with the calls as far as they got."""
@@ -232,7 +233,7 @@ def _finish_reason(req: ChatRequest, finish: FinishReason | None,
     return finish.value
 
 
-def tool_delta(parser: ToolCallParser, text: str, last: bool) -> dict[str, Any]:
+def tool_delta(parser: CallParser, text: str, last: bool) -> dict[str, Any]:
     """One stream chunk's delta with tools: the content and tool-call pieces ``text``
     completes (a call's arguments fragments merged), and at the end what was held back."""
     pieces = parser.feed(text) + (parser.finish() if last else [])

@@ -19,6 +19,9 @@ from laya_core.kv.hashing import prefix_hashes
 from laya_core.replica.client import EngineClient, RequestTooLongError
 from laya_core.serving.deployment import Deployment
 from laya_core.serving.template_sandbox import TemplateUnavailableError
+from laya_core.structured.spec import GrammarError
+from laya_core.structured.tool_parsers import CallParser
+from laya_core.structured.tools import call_grammar
 from laya_core.types import FinishReason, Sample, SamplingParams, Timing, TokenEvent
 
 
@@ -160,6 +163,9 @@ async def start(deployment: Deployment, request: ChatRequest | CompletionRequest
     session = session or req.user
     client = client_for(deployment, req.model)
     _check_prompt_logprobs(request, client)
+    if isinstance(request, ChatRequest) and request.tools is not None \
+            and deployment.tool_format(client).name != "hermes":
+        req = await asyncio.to_thread(_in_model_format, deployment, request, client)
     prompts = await asyncio.to_thread(_prompts, deployment, request, client)
     param = "messages" if isinstance(request, ChatRequest) else "prompt"
     limit = client.info().max_seq_len
@@ -190,6 +196,30 @@ async def start(deployment: Deployment, request: ChatRequest | CompletionRequest
         release_all(runs)
         raise
     return runs
+
+
+def _in_model_format(deployment: Deployment, request: ChatRequest,
+                     client: EngineClient) -> GenerationRequest:
+    """The request with its calls constrained in the model's own format (parsing built
+    them in Hermes', not knowing the model). Blocking: a worker thread's."""
+    req = request.common
+    assert request.tools is not None and req.constraint is not None
+    answer = req.constraint.parts[1] if req.constraint.kind == "tools_or_json" else None
+    try:
+        constraint = call_grammar(request.tools, answer=answer,
+                                  fmt=deployment.tool_format(client))
+    except GrammarError as e:
+        raise invalid(e.param, str(e)) from None
+    return attrs.evolve(req, constraint=constraint)
+
+
+def tool_parser(run: Running, request: ChatRequest) -> CallParser | None:
+    """A parser of one choice's tool calls, in its model's format; None without tools."""
+    if request.tools is None:
+        return None
+    answer = request.common.constraint is not None \
+        and request.common.constraint.kind == "tools_or_json"
+    return run.deployment.tool_format(run.client).parser(request.tools, answer)
 
 
 def release_all(runs: Sequence[Running]) -> None:

@@ -29,7 +29,6 @@ from laya_core.http.sse import SSEResponse
 from laya_core.serving.chat_template import TemplateError
 from laya_core.serving.deployment import Deployment
 from laya_core.serving.template_sandbox import TemplateUnavailableError
-from laya_core.structured.tools import ToolCallParser
 from laya_core.types import FinishReason, Timing
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -95,7 +94,7 @@ class MessageHandlers:
             return self._stream(runs, req, id_, token_bytes)
         (result,) = await self.chat.collect(request, runs, req)
         u = runs[0].stream.usage
-        parser = ToolCallParser() if req.tools else None
+        parser = gen.tool_parser(runs[0], req)
         stop = fmt.matched_stop(result.text, result.token_ids, token_bytes, req.common.stop) \
             if result.finish is FinishReason.STOP else None
         content = fmt.content_blocks(result.text, parser)  # feeds the parser, if any
@@ -111,7 +110,7 @@ class MessageHandlers:
                 token_bytes: Callable[[int], bytes]) -> Response:
         run = runs[0]
         prompt = len(run.prompt_token_ids)
-        parser = ToolCallParser() if req.tools else None
+        parser = gen.tool_parser(run, req)
         blocks = fmt.StreamBlocks(parser)
 
         async def events() -> AsyncIterator[str]:

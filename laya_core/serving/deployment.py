@@ -30,6 +30,7 @@ from laya_core.replica.remote import RemoteEngineClient
 from laya_core.routing.router import ReplicaState, Router
 from laya_core.serving.load_log import log_loaded
 from laya_core.serving.prompts import ChatPrompts
+from laya_core.structured.tool_formats import ToolFormat, tool_format
 from laya_core.structured.tools import ToolUse
 
 log = logging.getLogger(__name__)
@@ -210,6 +211,12 @@ class Deployment:
                     tools: Sequence[Any] | None = None) -> str:
         """The model's chat template applied to ``messages`` (see :class:`ChatPrompts`)."""
         return self.prompts.render(info, messages, add_generation_prompt, tools)
+
+    def tool_format(self, client: EngineClient) -> ToolFormat:
+        """The tool-call format of a replica's model: the one its chat template shows, or
+        the model's ``tool_call_format`` where its manifest entry names one."""
+        override = getattr(self.models[client.model], "tool_call_format", None)
+        return tool_format(client.info().model_info.chat_template, override)
 
     def chat_prompt(self, client: EngineClient, messages: Sequence[Mapping[str, Any]],
                     add_generation_prompt: bool = True, add_special: bool = True,

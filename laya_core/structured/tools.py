@@ -1,9 +1,11 @@
 """Tool calling: the tools in the prompt, the grammar a call is generated under, and the
 calls parsed back out of the text, whole or as OpenAI's stream deltas.
 
-A call is written in one format, the one Hermes, Qwen 2.5/3 and SmolLM's tool-trained
-models use, which is also what a model whose chat template knows no tools is taught
-(:func:`generic_preamble`)::
+This module writes calls in Hermes' format, the one Hermes, Qwen 2.5/3 and SmolLM's
+tool-trained models use, which is also what a model whose chat template knows no tools is
+taught (:func:`generic_preamble`); the other families' formats (Llama 3, Mistral,
+Qwen3-Coder, gpt-oss) are :mod:`laya_core.structured.tool_formats`', which
+:func:`call_grammar` takes as ``fmt``::
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -36,7 +38,7 @@ import json
 import re
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -47,6 +49,9 @@ from laya_core.structured.formats import (
     schema_of,
 )
 from laya_core.structured.spec import ConstraintSpec
+
+if TYPE_CHECKING:
+    from laya_core.structured.tool_formats import ToolFormat
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -87,7 +92,7 @@ class ToolUse:
         return self.choice not in ("auto", "required")
 
 
-def _parameters(tool: Tool) -> Mapping[str, Any]:
+def arguments_schema(tool: Tool) -> Mapping[str, Any]:
     """The schema a tool's arguments are generated under. ``strict`` (OpenAI's structured
     tool calls) closes every object to the properties it lists, as OpenAI's strict mode
     demands of the schema."""
@@ -99,7 +104,7 @@ def _parameters(tool: Tool) -> Mapping[str, Any]:
 
 def _call_schema(tools: Sequence[Tool]) -> dict[str, Any]:
     options = [{"type": "object",
-                "properties": {"name": {"const": t.name}, "arguments": _parameters(t)},
+                "properties": {"name": {"const": t.name}, "arguments": arguments_schema(t)},
                 "required": ["name", "arguments"], "additionalProperties": False}
                for t in tools]
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
@@ -107,7 +112,8 @@ def _call_schema(tools: Sequence[Tool]) -> dict[str, Any]:
 
 
 def call_grammar(use: ToolUse, param: str = "tools",
-                 answer: ConstraintSpec | None = None) -> ConstraintSpec:
+                 answer: ConstraintSpec | None = None,
+                 fmt: ToolFormat | None = None) -> ConstraintSpec:
     """The constraint for a request's calls (see the module docstring). A forced call's
     numbers are bounded as a response format's are; with ``auto`` the text before a call is
     the model's own, digits included, so they are not.
@@ -115,24 +121,30 @@ def call_grammar(use: ToolUse, param: str = "tools",
     ``answer``, a JSON response format (:data:`~laya_core.structured.formats.JSON_KINDS`),
     makes ``auto`` an alternation: the output is calls from its first character, or one
     JSON value of that format, numbers bounded in both. A forced call leaves no room for
-    an answer: the format is for a later turn's."""
+    an answer: the format is for a later turn's.
+
+    ``fmt``: the model's call format (:mod:`laya_core.structured.tool_formats`); None is
+    Hermes'."""
     import llguidance
 
     tools = [t for t in use.tools if t.name == use.choice] if use.named else list(use.tools)
     answer = None if use.forced else answer
-    grammar = llguidance.LLMatcher.grammar_from_lark(_lark(use, tools, answer))
+    lark = hermes_lark(use, tools, answer) if fmt is None else fmt.lark(use, tools, answer)
+    grammar = llguidance.LLMatcher.grammar_from_lark(lark)
     schemas = [t.parameters for t in tools]
+    bounded = fmt is None or fmt.bounds_numbers
     if answer is None:
-        numbers = numbers_grammar(schemas) if use.forced else ""
+        numbers = numbers_grammar(schemas) if use.forced and bounded else ""
         return ConstraintSpec("tools", grammar, param, numbers=numbers)
-    calls = call_grammar(attrs.evolve(use, choice="required"), param)
+    calls = call_grammar(attrs.evolve(use, choice="required"), param, fmt=fmt)
     return ConstraintSpec("tools_or_json", grammar, param,
-                          numbers=numbers_grammar([*schemas, schema_of(answer)]),
+                          numbers=numbers_grammar([*schemas, schema_of(answer)])
+                          if bounded else "",
                           parts=(calls, answer))
 
 
-def _lark(use: ToolUse, tools: Sequence[Tool], answer: ConstraintSpec | None) -> str:
-    """:func:`call_grammar`'s Lark grammar: calls alone (forced), calls or the answer,
+def hermes_lark(use: ToolUse, tools: Sequence[Tool], answer: ConstraintSpec | None) -> str:
+    """:func:`call_grammar`'s Lark grammar for Hermes' format: calls alone (forced), calls or the answer,
     or free text up to a call (a lazy trigger)."""
     body = f'"\\n" %json {json.dumps(_call_schema(tools))} "\\n{CLOSE}"'
     more = f'("\\n" "{OPEN}" body)*' if use.parallel and not use.named else ""

@@ -1,0 +1,360 @@
+"""Incremental parsers of the tool-call formats other than Hermes' (which is
+:class:`~laya_core.structured.tools.ToolCallParser`), with the same contract:
+
+:meth:`feed` takes the next piece of text and returns the deltas it completes,
+``("content", text)`` and ``("call", {...})`` with OpenAI's tool-call delta fields;
+:meth:`finish` flushes what is held back; :attr:`calls` and :attr:`complete` describe the
+calls afterwards. Text outside calls is content, less only what could still be the start
+of a trigger; a call's first delta carries its index, id, type and name, later ones
+fragments of its ``arguments``, so that joined they equal the non-streamed ``arguments``
+at every split of the text. A call cut before its name is complete is content, exactly as
+generated (its trigger included); one cut later has its arguments as far as they got.
+
+:class:`JsonCallParser` reads every family whose arguments are a JSON object, from a
+:class:`JsonSyntax`; :class:`XmlCallParser` reads Qwen3-Coder's XML, whose parameter
+values it types by the tool's JSON schema.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import attrs
+
+from laya_core.structured.tools import new_call_id
+
+Delta = tuple[str, Any]
+
+
+class CallParser(Protocol):
+    """What every family's parser offers (Hermes' ToolCallParser included)."""
+
+    @property
+    def calls(self) -> list[dict[str, Any]]: ...
+
+    @property
+    def complete(self) -> bool: ...
+
+    def feed(self, text: str) -> list[Delta]: ...
+
+    def finish(self) -> list[Delta]: ...
+
+
+@attrs.define
+class _Call:
+    index: int
+    id: str
+    raw: str  # the text read since its trigger, until its name is complete
+    name: str | None = None
+    opened: bool = False  # its arguments began
+    arguments: list[str] = attrs.field(factory=list)
+    done: bool = False  # its arguments closed
+
+
+class _Parser:
+    """Text, triggers and calls: what every family shares. A subclass reads one call from
+    ``self._buffer`` (:meth:`_step`) after :meth:`_open` saw its trigger."""
+
+    def __init__(self, triggers: Sequence[str], leading: str = "") -> None:
+        self._triggers = tuple(triggers)
+        self._leading = leading  # a trigger only at the output's start (after whitespace)
+        self._started = not leading
+        self._buffer = ""
+        self._call: _Call | None = None
+        self._calls: list[_Call] = []
+
+    @property
+    def calls(self) -> list[dict[str, Any]]:
+        return [{"id": c.id, "type": "function",
+                 "function": {"name": c.name, "arguments": "".join(c.arguments)}}
+                for c in self._calls if c.name is not None]
+
+    @property
+    def complete(self) -> bool:
+        return all(c.done for c in self._calls if c.name is not None)
+
+    def feed(self, text: str) -> list[Delta]:
+        self._buffer += text
+        out: list[Delta] = []
+        while self._buffer:
+            if self._call is None:
+                if not self._text(out):
+                    break
+            elif not self._step(out):
+                break
+        return out
+
+    def finish(self) -> list[Delta]:
+        out: list[Delta] = []
+        call = self._call
+        if call is not None and call.name is None:  # cut inside its name: text after all
+            self._calls.remove(call)
+            self._buffer = call.raw + self._buffer
+            self._call = None
+        if self._call is None:
+            self._content(self._buffer, out)
+        self._buffer = ""
+        return out
+
+    def _content(self, text: str, out: list[Delta]) -> None:
+        # Blank text between calls is layout, not content.
+        if text and not (self._calls and not text.strip()):
+            out.append(("content", text))
+
+    def _text(self, out: list[Delta]) -> bool:
+        if not self._started:
+            rest = self._buffer.lstrip()
+            if not rest:
+                return False
+            self._started = True
+            if rest.startswith(self._leading):
+                at = len(self._buffer) - len(rest) + len(self._leading)
+                trigger, self._buffer = self._buffer[:at], self._buffer[at:]
+                self._open(trigger)
+                return True
+        found = [(at, t) for t in self._triggers if (at := self._buffer.find(t)) >= 0]
+        if not found:
+            keep = max(_partial_suffix(self._buffer, t) for t in self._triggers)
+            self._content(self._buffer[: len(self._buffer) - keep], out)
+            self._buffer = self._buffer[len(self._buffer) - keep:]
+            return False
+        at, trigger = min(found, key=lambda f: (f[0], -len(f[1])))
+        self._content(self._buffer[:at], out)
+        self._buffer = self._buffer[at + len(trigger):]
+        self._open(trigger)
+        return True
+
+    def _open(self, trigger: str) -> None:
+        self._call = _Call(len(self._calls), new_call_id(), trigger)
+        self._calls.append(self._call)
+
+    def _named(self, name: str, consumed: int, out: list[Delta]) -> None:
+        """The call's name is complete: its first delta goes out."""
+        call = self._call
+        assert call is not None
+        call.name, call.raw = name, ""
+        self._buffer = self._buffer[consumed:]
+        out.append(("call", {"index": call.index, "id": call.id, "type": "function",
+                             "function": {"name": name, "arguments": ""}}))
+
+    def _argument(self, piece: str, out: list[Delta]) -> None:
+        call = self._call
+        assert call is not None
+        if piece:
+            call.arguments.append(piece)
+            out.append(("call", {"index": call.index, "function": {"arguments": piece}}))
+
+    def _step(self, out: list[Delta]) -> bool:
+        raise NotImplementedError
+
+
+@attrs.frozen
+class JsonSyntax:
+    """How a family writes calls whose arguments are one JSON object. Literals may follow
+    whitespace; a regular expression is matched at the start of what is left."""
+
+    triggers: tuple[str, ...]  # text that opens a call, or a group of calls
+    name: re.Pattern[str]  # group 1: the name (a JSON string where ``json_name``)
+    arguments: re.Pattern[str]  # from the name's end to the arguments' object
+    json_name: bool = True
+    leading: str = ""  # a trigger only at the output's start: Llama 3's bare "{"
+    group_open: str = ""  # after a trigger: Mistral's "["
+    call_close: str = ""  # after the arguments: "}" where name and arguments share an object
+    separator: str | None = None  # between the calls of one group
+    group_close: str = ""  # after a group's last call
+
+
+class JsonCallParser(_Parser):
+    def __init__(self, syntax: JsonSyntax) -> None:
+        super().__init__(syntax.triggers, syntax.leading)
+        self.syntax = syntax
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+        self._stage = "open"  # open, name, arguments, json, close, next
+
+    def _open(self, trigger: str) -> None:
+        super()._open(trigger)
+        self._stage = "open" if self.syntax.group_open else "name"
+
+    def _step(self, out: list[Delta]) -> bool:
+        call = self._call
+        assert call is not None
+        s = self.syntax
+        if self._stage == "open":
+            return self._literal(s.group_open, "name", raw=True)
+        if self._stage == "name":
+            found = s.name.match(self._buffer)
+            if found is None:
+                return False
+            name = json.loads(found.group(1)) if s.json_name else found.group(1)
+            self._named(name, found.end(), out)
+            self._stage = "arguments"
+            return True
+        if self._stage == "arguments":
+            found = s.arguments.match(self._buffer)
+            if found is None:
+                return False
+            self._buffer = self._buffer[found.end():]
+            call.opened, self._stage = True, "json"
+            return True
+        if self._stage == "json":
+            self._json(out)
+            return True
+        if self._stage == "close":
+            return self._literal(s.call_close, "next")
+        return self._next()
+
+    def _literal(self, literal: str, then: str, raw: bool = False) -> bool:
+        """Skip ``literal`` (after whitespace) if it comes, and go on to stage ``then``."""
+        if not literal:
+            self._stage = then
+            return True
+        rest = self._buffer.lstrip()
+        if not rest:
+            return False
+        if literal.startswith(rest) and rest != literal:
+            return False  # all of it could still be the literal
+        if rest.startswith(literal):
+            if raw and self._call is not None:
+                self._call.raw += self._buffer[: len(self._buffer) - len(rest) + len(literal)]
+            self._buffer = rest[len(literal):]
+        self._stage = then
+        return True
+
+    def _next(self) -> bool:
+        """After a call: the next of its group, the group's end, or text."""
+        s = self.syntax
+        rest = self._buffer.lstrip()
+        if not rest:
+            return False
+        for literal, more in ((s.separator, True), (s.group_close, False)):
+            if not literal:
+                continue
+            if literal.startswith(rest) and rest != literal:
+                return False
+            if rest.startswith(literal):
+                self._buffer = rest[len(literal):]
+                if more:
+                    self._open(literal)
+                    self._stage = "name"
+                    return True
+                break
+        self._call = None
+        return True
+
+    def _json(self, out: list[Delta]) -> None:
+        """Pass the arguments' characters through until their object closes."""
+        call = self._call
+        assert call is not None
+        end = len(self._buffer)
+        for i, ch in enumerate(self._buffer):
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    end = i + 1
+                    call.done = True
+                    self._stage = "close"
+                    break
+        piece, self._buffer = self._buffer[:end], self._buffer[end:]
+        if not call.arguments:
+            piece = piece.lstrip()
+        self._argument(piece, out)
+
+
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
+_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>")
+_VALUE_END = "</parameter>"
+
+
+class XmlCallParser(_Parser):
+    """Qwen3-Coder's calls::
+
+        <tool_call>
+        <function=get_weather>
+        <parameter=city>
+        Paris
+        </parameter>
+        </function>
+        </tool_call>
+
+    A parameter's value is text; it becomes JSON by its type in the tool's schema (a string
+    stays text, an integer, number, boolean, object or array is read as JSON, and text
+    that does not read stays a string). Its arguments stream one whole parameter at a time:
+    ``{"city": "Paris"``, then ``}`` at ``</function>``."""
+
+    def __init__(self, tools: Mapping[str, Mapping[str, Any]]) -> None:
+        super().__init__(("<tool_call>",))
+        self._tools = tools  # name -> parameters schema
+
+    def _step(self, out: list[Delta]) -> bool:
+        call = self._call
+        assert call is not None
+        if call.name is None:
+            found = _FUNCTION.match(self._buffer)
+            if found is None:
+                return False
+            self._named(found.group(1).strip(), found.end(), out)
+            call.opened = True
+            return True
+        if call.done:  # then its closing tag, if it comes
+            rest = self._buffer.lstrip()
+            if not rest or ("</tool_call>".startswith(rest) and rest != "</tool_call>"):
+                return False
+            if rest.startswith("</tool_call>"):
+                self._buffer = rest[len("</tool_call>"):]
+            self._call = None
+            return True
+        found = _PARAMETER.match(self._buffer)
+        if found is not None:
+            end = self._buffer.find(_VALUE_END, found.end())
+            if end < 0:
+                return False
+            value = self._buffer[found.end():end]
+            self._buffer = self._buffer[end + len(_VALUE_END):]
+            key = found.group(1).strip()
+            lead = ", " if call.arguments else "{"
+            self._argument(f"{lead}{json.dumps(key)}: {json.dumps(self._typed(key, value))}",
+                           out)
+            return True
+        rest = self._buffer.lstrip()
+        if not rest.startswith("</function>"):
+            return False  # a parameter or the function's end, still to come
+        self._argument("}" if call.arguments else "{}", out)
+        call.done = True
+        self._buffer = rest[len("</function>"):]
+        return True
+
+    def _typed(self, key: str, value: str) -> Any:
+        value = value.removeprefix("\n").removesuffix("\n")
+        assert self._call is not None and self._call.name is not None
+        schema = self._tools.get(self._call.name, {}).get("properties", {}).get(key, {})
+        kind = schema.get("type") if isinstance(schema, Mapping) else None
+        if kind == "string" or (isinstance(kind, list) and "string" in kind):
+            return value
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that begins ``marker``."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
