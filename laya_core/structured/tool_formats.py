@@ -24,6 +24,8 @@ from __future__ import annotations
 import functools
 import json
 import re
+import secrets
+import string
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -154,6 +156,11 @@ class Llama3Json(ToolFormat):
             leading="" if answer else "{", call_close="}", separator=";"))
 
 
+def mistral_call_id() -> str:
+    """A call id as Mistral's templates demand of a history's calls: 9 letters or digits."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+
 @attrs.frozen
 class Mistral(ToolFormat):
     def call_rules(self, tools: Sequence[Tool]) -> str:
@@ -162,7 +169,7 @@ class Mistral(ToolFormat):
     def parser(self, use: ToolUse, answer: bool = False) -> JsonCallParser:
         return JsonCallParser(JsonSyntax(
             (self.trigger,), re.compile(_JSON_NAME), re.compile(r'\s*,\s*"arguments"\s*:\s*'),
-            group_open="[", call_close="}", separator=",", group_close="]"))
+            group_open="[", call_close="}", separator=",", group_close="]"), mistral_call_id)
 
 
 @attrs.frozen
@@ -173,7 +180,7 @@ class MistralArgs(ToolFormat):
     def parser(self, use: ToolUse, answer: bool = False) -> JsonCallParser:
         return JsonCallParser(JsonSyntax(
             (self.trigger,), re.compile(r"\s*([A-Za-z0-9_.:-]+)(?=\[)"),
-            re.compile(r"(?:\[CALL_ID\][^\[]*)?\[ARGS\]"), json_name=False))
+            re.compile(r"(?:\[CALL_ID\][^\[]*)?\[ARGS\]"), json_name=False), mistral_call_id)
 
 
 @attrs.frozen

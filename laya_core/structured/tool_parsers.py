@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -58,8 +58,10 @@ class _Parser:
     """Text, triggers and calls: what every family shares. A subclass reads one call from
     ``self._buffer`` (:meth:`_step`) after :meth:`_open` saw its trigger."""
 
-    def __init__(self, triggers: Sequence[str], leading: str = "") -> None:
+    def __init__(self, triggers: Sequence[str], leading: str = "",
+                 call_id: Callable[[], str] = new_call_id) -> None:
         self._triggers = tuple(triggers)
+        self._call_id = call_id
         self._leading = leading  # a trigger only at the output's start (after whitespace)
         self._started = not leading
         self._buffer = ""
@@ -128,7 +130,7 @@ class _Parser:
         return True
 
     def _open(self, trigger: str) -> None:
-        self._call = _Call(len(self._calls), new_call_id(), trigger)
+        self._call = _Call(len(self._calls), self._call_id(), trigger)
         self._calls.append(self._call)
 
     def _named(self, name: str, consumed: int, out: list[Delta]) -> None:
@@ -168,8 +170,8 @@ class JsonSyntax:
 
 
 class JsonCallParser(_Parser):
-    def __init__(self, syntax: JsonSyntax) -> None:
-        super().__init__(syntax.triggers, syntax.leading)
+    def __init__(self, syntax: JsonSyntax, call_id: Callable[[], str] = new_call_id) -> None:
+        super().__init__(syntax.triggers, syntax.leading, call_id)
         self.syntax = syntax
         self._depth = 0
         self._in_string = False

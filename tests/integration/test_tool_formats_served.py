@@ -129,3 +129,18 @@ def test_responses_and_messages_read_a_family_call_too(family_server: ServerProc
     (block,) = body["content"]
     assert block["type"] == "tool_use" and block["name"] == "get_weather", block
     assert set(block["input"]) == {"city"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_conversation_goes_on_after_a_family_call(family_server: ServerProcess,
+                                                      family: str) -> None:
+    """The call and its result go back through the family's template, with the call id
+    the server gave (Mistral's templates demand 9 letters or digits)."""
+    (call,) = chat(family_server, family).json()["choices"][0]["message"]["tool_calls"]
+    if family.startswith("mistral"):
+        assert len(call["id"]) == 9 and call["id"].isalnum(), call["id"]
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": call["id"], "content": '{"sky": "clear"}'}]
+    r = chat(family_server, family, messages=messages, tool_choice="auto", max_tokens=8)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")

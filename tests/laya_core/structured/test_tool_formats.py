@@ -266,3 +266,12 @@ def test_the_published_templates_are_detected() -> None:
     folder = Path(__file__).parents[2] / "chat_templates"
     found = {p.stem: detect(p.read_text()) for p in folder.glob("*.jinja")}
     assert found == {f: f for f in FORMATS if f != "hermes"}
+
+
+def test_mistral_call_ids_are_what_its_templates_take_back() -> None:
+    for family in ("mistral", "mistral_args"):
+        parser = FORMATS[family].parser(USE)
+        parser.feed(SAMPLES[family][0])
+        parser.finish()
+        ids = [c["id"] for c in parser.calls]
+        assert all(len(i) == 9 and i.isalnum() for i in ids) and len(set(ids)) == 2, ids
