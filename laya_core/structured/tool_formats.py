@@ -31,14 +31,9 @@ from typing import Any
 
 import attrs
 
-from laya_core.structured.formats import MAX_INTEGER_DIGITS, json_options
+from laya_core.structured.formats import MAX_INTEGER_DIGITS, json_options, schema_of
 from laya_core.structured.spec import ConstraintSpec, GrammarError
-from laya_core.structured.tool_parsers import (
-    CallParser,
-    JsonCallParser,
-    JsonSyntax,
-    XmlCallParser,
-)
+from laya_core.structured.tool_parsers import CallParser, JsonCallParser, JsonSyntax
 from laya_core.structured.tools import (
     Tool,
     ToolCallParser,
@@ -47,8 +42,8 @@ from laya_core.structured.tools import (
     hermes_lark,
     uses_tools,
 )
+from laya_core.structured.xml_calls import XmlCallParser
 
-_TEXT = r"TEXT: /(.|\n)*/"
 _JSON_NAME = r'\s*\{?\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")'
 
 
@@ -80,13 +75,16 @@ class ToolFormat:
         if use.forced:
             return f"start: {self._opening(forced=True)} group\n" + rules
         if answer is not None:
-            from laya_core.structured.formats import schema_of
-
             return (f"start: answer | {self._opening(forced=False)} group\n"
                     f"answer: %json {json.dumps(schema_of(answer))}\n" + rules)
+        return self._free_text(rules)
+
+    def _free_text(self, rules: str) -> str:
+        """``tool_choice`` auto: the model's text, up to a call's trigger."""
         opener = f" {_lit(self.opener)}" if self.opener else ""
         return (f"start: TEXT | trigger{opener} group\n"
-                f"trigger[lazy]: TEXT {_lit(self.trigger)}\n" + rules + _TEXT + "\n")
+                f"trigger[lazy]: TEXT {_lit(self.trigger)}\n" + rules
+                + "TEXT: /(.|\\n)*/\n")
 
     def _opening(self, forced: bool) -> str:
         """What comes before the calls where nothing comes before them."""
@@ -131,13 +129,11 @@ class Hermes(ToolFormat):
 
 @attrs.frozen
 class Llama3Json(ToolFormat):
-    def lark(self, use: ToolUse, tools: Sequence[Tool],
-             answer: ConstraintSpec | None) -> str:
-        if use.forced or answer is not None:
-            return super().lark(use, tools, answer)
+    def _free_text(self, rules: str) -> str:
         # A reply that begins with "{" is a call; other text is free until <|python_tag|>.
-        return (super().lark(use, tools, answer).replace("start: TEXT |", "start: TEXT | group |")
-                .replace(_TEXT, r"TEXT: /([^{](.|\n)*)?/"))
+        return ("start: TEXT | group | trigger group\n"
+                f"trigger[lazy]: TEXT {_lit(self.trigger)}\n" + rules
+                + "TEXT: /([^{](.|\\n)*)?/\n")
 
     def _opening(self, forced: bool) -> str:
         # A forced call is written bare, as the template teaches; beside a typed answer,
