@@ -150,6 +150,11 @@ class Backend(abc.ABC):
     """
 
     name: ClassVar[str]
+    # "step": the core schedules and keeps the KV cache, and the backend runs one batched
+    # forward pass per step (the methods below). "engine": the backend owns its scheduling
+    # and cache (a serving library, a remote server) and serves each replica through an
+    # EngineClient of its own (laya_core.replica.engine_backend.EngineBackend).
+    kind: ClassVar[str] = "step"
     # The KV cache element types this backend can store, each with its price: name ->
     # (elements per block, bytes per block), laya_core/kv/dtypes.py. The manifest's
     # kv_cache_dtype must name one; the memory plan prices it with this table.

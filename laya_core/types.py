@@ -112,3 +112,6 @@ class Timing:
     # Seconds between each token and the one before, as the engine thread handled them: one
     # fewer than the tokens generated. Their sum is the decode time up to the last token.
     token_gaps_s: tuple[float, ...] = ()
+    # Layers of the backend's own, by name: an engine-level backend's time waiting on its
+    # upstream server ("upstream"). Each is a Server-Timing entry and a laya_timing field.
+    layers: tuple[tuple[str, float], ...] = ()

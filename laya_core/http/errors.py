@@ -17,6 +17,7 @@ from laya_core.replica.client import (
     GrammarError,
     QueueFullError,
     RequestTooLongError,
+    UnsupportedParameterError,
 )
 
 # The app's logger: an unhandled error is logged as the app's, as it always was.
@@ -95,11 +96,15 @@ def refusal(e: BaseException, too_long_param: str) -> APIError | None:
         return invalid(e.param, str(e), "invalid_constraint")
     if isinstance(e, RequestTooLongError):
         return invalid(too_long_param, str(e), "context_length_exceeded")
+    if isinstance(e, UnsupportedParameterError):
+        return invalid(e.param, str(e), "unsupported_parameter")
+    # An engine-level backend may pass on how long its upstream asked callers to wait.
     if isinstance(e, QueueFullError):
-        return APIError(429, str(e), code="queue_full", retry_after=QUEUE_RETRY_AFTER_S)
+        return APIError(429, str(e), code="queue_full",
+                        retry_after=e.retry_after_s or QUEUE_RETRY_AFTER_S)
     if isinstance(e, EngineUnavailableError):  # stopped or failed since routing: shutting down
         return APIError(503, f"{e}; retry later", code="not_ready",
-                        retry_after=QUEUE_RETRY_AFTER_S)
+                        retry_after=e.retry_after_s or QUEUE_RETRY_AFTER_S)
     return None
 
 

@@ -286,8 +286,12 @@ def combined_timing(results: Sequence[Timing | None]) -> Timing | None:
     timings = [t for t in results if t is not None]
     if not timings:
         return None
+    layers: dict[str, float] = {}
+    for t in timings:
+        for name, seconds in t.layers:
+            layers[name] = max(layers.get(name, 0.0), seconds)
     return Timing(max(t.queue_s for t in timings), max(t.prefill_s for t in timings),
-                  max(t.decode_s for t in timings))
+                  max(t.decode_s for t in timings), layers=tuple(layers.items()))
 
 
 def server_timing(route_s: float, timing: Timing | None) -> str:
@@ -295,14 +299,15 @@ def server_timing(route_s: float, timing: Timing | None) -> str:
     parts = [("route", route_s)]
     if timing is not None:
         parts += [("queue", timing.queue_s), ("prefill", timing.prefill_s),
-                  ("decode", timing.decode_s)]
+                  ("decode", timing.decode_s), *timing.layers]
     return ", ".join(f"{name};dur={seconds * 1000:.3f}" for name, seconds in parts)
 
 
 def timing_object(route_s: float, timing: Timing | None) -> dict[str, float]:
     t = timing or Timing(0.0, 0.0, 0.0)
     return {"route_ms": route_s * 1000, "queue_ms": t.queue_s * 1000,
-            "prefill_ms": t.prefill_s * 1000, "decode_ms": t.decode_s * 1000}
+            "prefill_ms": t.prefill_s * 1000, "decode_ms": t.decode_s * 1000,
+            **{f"{name}_ms": seconds * 1000 for name, seconds in t.layers}}
 
 
 def usage(runs: Sequence[Running], n: int) -> dict[str, Any]:

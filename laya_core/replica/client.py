@@ -10,7 +10,8 @@ implements; :class:`LocalEngineClient` is the in-process one.
 
 ``submit`` raises :class:`RequestTooLongError` (the request can never fit one sequence),
 :class:`QueueFullError` (retry later), :class:`EngineUnavailableError` (loading, failed or
-stopped) or ``ValueError`` (a request this replica cannot serve); a transport raises the same.
+stopped), :class:`UnsupportedParameterError` (a field its backend cannot honour: a 400 naming
+it) or ``ValueError`` (a request this replica cannot serve); a transport raises the same.
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ from laya_core.engine.embed_jobs import Embeddings, EmbeddingsUnsupportedError
 from laya_core.engine.engine import Engine
 from laya_core.engine.layer_clock import BACKEND, PREFILL, LayerClock
 from laya_core.engine.limits import RequestTooLongError
-from laya_core.engine.state import EngineState, EngineUnavailableError, QueueFullError
+from laya_core.engine.state import (
+    EngineState,
+    EngineUnavailableError,
+    QueueFullError,
+    UnsupportedParameterError,
+)
 from laya_core.engine.stream import GenerationStream
 from laya_core.kv.hashing import BLOCK_SIZE
 from laya_core.models.tokenizer import Tokenizer
@@ -37,7 +43,8 @@ from laya_core.types import FinishReason, SamplingParams
 
 __all__ = ["EngineClient", "EngineState", "EngineUnavailableError", "GrammarError",
            "LocalEngineClient",
-           "QueueFullError", "ReplicaInfo", "ReplicaSnapshot", "RequestTooLongError"]
+           "QueueFullError", "ReplicaInfo", "ReplicaSnapshot", "RequestTooLongError",
+           "UnsupportedParameterError"]
 
 
 @attrs.frozen

@@ -6,7 +6,9 @@ of this process, :class:`LocalEngineClient`), ``"process"`` (a worker process ea
 :mod:`laya_core.replica.ray_client`) or ``"auto"`` (processes when the caller asks: ``laya
 serve`` does, code that embeds a deployment gets threads). A backend that cannot load its
 tokenizer apart from its weights (``Backend.load_tokenizer``) always runs in this process:
-the front end needs the tokenizer. Ray is imported only when a manifest asks for it.
+the front end needs the tokenizer. An engine-level backend (``kind = "engine"``,
+:mod:`laya_core.replica.engine_backend`) makes its replicas' clients itself, whatever
+``[cluster] engine`` says. Ray is imported only when a manifest asks for it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from laya_core.backend import Backend, ModelConfig
 from laya_core.engine.engine import Engine
 from laya_core.plugins import Registry
 from laya_core.replica.client import EngineClient, LocalEngineClient
+from laya_core.replica.engine_backend import EngineBackend
 from laya_core.replica.remote import RemoteEngineClient
 from laya_core.replica.worker_client import WorkerEngineClient
 from laya_core.replica.worker_link import DEFAULT_SILENCE_S
@@ -57,7 +60,7 @@ class Transports:
 
     def runs_apart(self, config: ModelConfig, backend_cls: type[Backend]) -> bool:
         """Whether ``config``'s replicas run outside this process (logged when they cannot)."""
-        if not self.apart:
+        if not self.apart or backend_cls.kind == "engine":  # an engine-level one: its own
             return False
         if backend_cls.load_tokenizer is Backend.load_tokenizer:
             log.info("%s: the %s backend cannot load its tokenizer apart from its weights, "
@@ -83,11 +86,16 @@ class Transports:
 def replica_client(config: ModelConfig, replica: int, registry: Registry,
                    transports: Transports, apart: bool,
                    on_change: Callable[[Any], None], on_worker_loaded: Callable[[Any], None],
-                   on_engine_loaded: Callable[[Engine], None]) -> EngineClient:
+                   on_engine_loaded: Callable[[Engine], None], index: int = 0) -> EngineClient:
     """One replica of ``config`` (``apart``: outside this process, see
-    :meth:`Transports.runs_apart`), not started. Its scheduler and cache policy are looked
+    :meth:`Transports.runs_apart`), not started; ``index``: which of the model's replicas
+    (``replica`` numbers the deployment's). Its scheduler and cache policy are looked
     up here whichever transport carries it, so a missing one is this process's error."""
     backend = registry.backends[config.backend].obj(config)
+    if isinstance(backend, EngineBackend):  # it owns its scheduling and cache
+        client = backend.engine_client(replica, index)
+        client.bind(on_change, on_worker_loaded)
+        return client
     scheduler_cls = registry.schedulers[config.scheduler].obj
     cache_cls = registry.cache_policy_for(config.backend, config.cache_policy)
     if apart:

@@ -25,6 +25,7 @@ from laya_core.logs import resident_bytes
 from laya_core.memory.ledger import Plan
 from laya_core.plugins import Registry
 from laya_core.replica.client import EngineClient, LocalEngineClient, ReplicaSnapshot
+from laya_core.replica.engine_backend import EngineBackendClient
 from laya_core.replica.factory import Transports, replica_client
 from laya_core.replica.remote import RemoteEngineClient
 from laya_core.routing.router import ReplicaState, Router
@@ -95,7 +96,8 @@ class Deployment:
         self.router_name = router_name
         self.router: Router = registry.routers[router_name].obj()
         self.engines: list[Engine] = []  # the replicas on threads of this process
-        self.workers: list[RemoteEngineClient] = []  # in worker processes or Ray actors
+        # In worker processes or Ray actors, or an engine-level backend's own.
+        self.workers: list[RemoteEngineClient | EngineBackendClient] = []
         # What the HTTP side uses, one per replica, by replica id (the router's choice).
         self.clients: list[EngineClient] = []
         self.models: dict[str, ModelConfig] = {}
@@ -115,14 +117,15 @@ class Deployment:
             self.models[config.name] = config
             self.block_sizes[config.name] = registry.backends[config.backend].obj.block_size
             apart = transports.runs_apart(config, registry.backends[config.backend].obj)
-            for _ in range(config.replicas):
+            for index in range(config.replicas):
                 replica = len(self.clients)
                 client = replica_client(config, replica, registry, transports, apart,
-                                        self._changed, self._worker_loaded, self._loaded)
+                                        self._changed, self._worker_loaded, self._loaded,
+                                        index)
                 if isinstance(client, LocalEngineClient):
                     self.engines.append(client.engine)
                 else:
-                    assert isinstance(client, RemoteEngineClient)
+                    assert isinstance(client, RemoteEngineClient | EngineBackendClient)
                     self.workers.append(client)
                 self.clients.append(client)
                 self.router.add_replica(config.name, replica)
@@ -157,7 +160,7 @@ class Deployment:
             worker.stop()
         self.prompts.close()
 
-    def _changed(self, worker: RemoteEngineClient) -> None:
+    def _changed(self, worker: EngineClient) -> None:
         """A worker's state changed (on its supervisor's thread): the router routes only to
         replicas that are up."""
         up = worker.state().state is EngineState.READY
@@ -235,7 +238,7 @@ class Deployment:
         self._log_loaded(engine.config.name, engine.replica_id, engine.kv_capacity_tokens,
                          engine.runtime(), resident_bytes())
 
-    def _worker_loaded(self, worker: RemoteEngineClient) -> None:
+    def _worker_loaded(self, worker: RemoteEngineClient | EngineBackendClient) -> None:
         """On the worker's supervisor thread, each time its process has loaded."""
         self.prompts.probe(worker.info().model_info)
         self._log_loaded(worker.model, worker.replica_id, worker.state().kv_capacity_tokens,
