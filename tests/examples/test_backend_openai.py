@@ -1,0 +1,244 @@
+"""The example engine-level backend (examples/laya-backend-openai), installed as an outside
+author's package is: a Laya front end whose model is served by two upstream Laya servers.
+Chats go through streamed and whole, with the upstream's usage and its time as a layer of
+its own; one prompt stays on one upstream; an upstream killed mid-stream ends that stream
+with an error event, the next requests go to the other, and the health check brings it
+back once it serves again. A structured-output request is refused with a 400 naming its
+field."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import SMOLLM_MANIFEST, ServerProcess, free_port, serving
+
+# The upstreams: the embedded model, small and on one thread each (CI has two cores).
+UPSTREAM = SMOLLM_MANIFEST.replace("max_num_seqs = 8", "max_num_seqs = 2").replace(
+    "embeddings = true", "[models.options]\nn_threads = 1")
+
+FRONT = """
+[server]
+host = "127.0.0.1"
+port = {{port}}
+
+[[models]]
+name = "relay"
+backend = "openai"
+path = "{a}/v1"
+replicas = 2
+max_seq_len = 8192
+max_num_seqs = 4
+
+[models.options]
+upstreams = ["{a}/v1", "{b}/v1"]
+model = "smollm2"
+health_interval_s = 0.5
+timeout_s = 30
+"""
+
+CHAT = {"model": "relay", "max_tokens": 4, "temperature": 0,
+        "messages": [{"role": "user", "content": "Name a colour."}]}
+
+
+def test_laya_plugins_lists_it_with_its_package_and_version() -> None:
+    out = subprocess.run([sys.executable, "-m", "laya_core.cli.main", "plugins"], check=True,
+                         capture_output=True, text=True).stdout
+    assert re.search(r"^  openai +laya-backend-openai 0\.1\.0 ", out, re.M), out
+
+
+def upstream_at(port: int, workdir: Path) -> ServerProcess:
+    """A ``laya serve`` of the embedded model on ``port`` (so that it can come back there)."""
+    workdir.mkdir(exist_ok=True)
+    server = ServerProcess(UPSTREAM.replace("{port}", str(port)), workdir)
+    server.port, server.url = port, f"http://127.0.0.1:{port}"
+    server.wait_ready()
+    return server
+
+
+def served(url: str) -> int:
+    """Requests an upstream finished, from its /metrics."""
+    text = httpx.get(f"{url}/metrics").text
+    return int(sum(float(v) for v in
+                   re.findall(r"^laya:request_success_total\{[^}]*\} (\S+)$", text, re.M)))
+
+
+def replicas(url: str) -> list[dict[str, object]]:
+    return list(httpx.get(f"{url}/ready").json()["replicas"])
+
+
+# Upstreams a test started, stopped after the front end (one that stops first leaves its
+# replica down, and a server with a replica down at its end exits 1).
+LATER: list[ServerProcess] = []
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[tuple[ServerProcess, ServerProcess, ServerProcess]]:
+    root = tmp_path_factory.mktemp("backend_openai")
+    a = upstream_at(free_port(), root / "a")
+    b = upstream_at(free_port(), root / "b")
+    try:
+        with serving(FRONT.format(a=a.url, b=b.url), root) as front:
+            yield front, a, b
+    finally:
+        for s in (a, b, *LATER):
+            s.stop()
+
+
+def test_chats_go_through_whole_and_streamed_with_usage_and_upstream_time(
+        servers: tuple[ServerProcess, ServerProcess, ServerProcess]) -> None:
+    front, a, b = servers
+    r = httpx.post(f"{front.url}/v1/chat/completions", json=CHAT, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["message"]["content"]
+    assert body["choices"][0]["finish_reason"] == "length"
+    # The upstream's own count of its tokens (this front end counts the prompt in bytes).
+    assert body["usage"]["completion_tokens"] == 4
+    assert 0 < body["usage"]["prompt_tokens"] < len("Name a colour.") + 40
+    assert re.search(r"upstream;dur=[0-9.]+", r.headers["server-timing"]), r.headers
+    # The same prompt again: the prefix router keeps it on the upstream that served it.
+    before = served(a.url), served(b.url)
+    for _ in range(2):
+        assert httpx.post(f"{front.url}/v1/chat/completions", json=CHAT,
+                          timeout=60).status_code == 200
+    grew = served(a.url) - before[0], served(b.url) - before[1]
+    assert sorted(grew) == [0, 2], grew
+
+    chunks = []
+    with httpx.stream("POST", f"{front.url}/v1/chat/completions", timeout=60,
+                      json={**CHAT, "stream": True,
+                            "stream_options": {"include_usage": True}}) as s:
+        assert s.status_code == 200
+        for line in s.iter_lines():
+            if line.startswith("data: "):
+                chunks.append(line[6:])
+    assert chunks[-1] == "[DONE]"
+    events = [json.loads(c) for c in chunks[:-1]]
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                   if e["choices"])
+    assert text == body["choices"][0]["message"]["content"]  # greedy: the same reply
+    assert events[-1]["usage"]["completion_tokens"] == 4
+    finals = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert finals[0]["laya_timing"]["upstream_ms"] > 0
+
+    text = httpx.get(f"{front.url}/metrics").text
+    assert re.search(r'^laya:engine_layer_seconds_total\{[^}]*layer="upstream"[^}]*\} [0-9.e-]+$',
+                     text, re.M), text
+
+
+def test_structured_output_is_refused_naming_its_field(
+        servers: tuple[ServerProcess, ServerProcess, ServerProcess]) -> None:
+    front, _, _ = servers
+    r = httpx.post(f"{front.url}/v1/chat/completions", timeout=60, json={
+        **CHAT, "response_format": {"type": "json_object"}})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "response_format"
+    assert "cannot constrain" in r.json()["error"]["message"]
+
+
+def aborted(url: str) -> int:
+    """Requests an upstream ended because its client went away, from its /metrics."""
+    text = httpx.get(f"{url}/metrics").text
+    return int(sum(float(v) for v in re.findall(
+        r'^laya:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)$', text,
+        re.M)))
+
+
+def test_a_client_that_leaves_closes_the_upstream_request(
+        servers: tuple[ServerProcess, ServerProcess, ServerProcess]) -> None:
+    front, a, b = servers
+    before = aborted(a.url) + aborted(b.url)
+    long = {**CHAT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{front.url}/v1/chat/completions", json=long,
+                      timeout=60) as s:
+        assert s.status_code == 200
+        next(line for line in s.iter_lines() if line.startswith("data: "))
+    # The front end cancels the request, which closes its upstream request: the upstream
+    # counts it aborted (its 400 tokens would end it "length").
+    deadline = time.monotonic() + 30
+    while aborted(a.url) + aborted(b.url) == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert aborted(a.url) + aborted(b.url) == before + 1
+    assert all(r["running"] == 0 for r in replicas(front.url))
+
+
+def test_a_killed_upstream_ends_its_stream_and_the_other_serves_until_it_is_back(
+        servers: tuple[ServerProcess, ServerProcess, ServerProcess],
+        tmp_path: Path) -> None:
+    front, a, b = servers
+    by_url = {a.url: a, b.url: b}
+    long = {**CHAT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{front.url}/v1/chat/completions", json=long,
+                      timeout=60) as s:
+        assert s.status_code == 200
+        lines = s.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"]
+        busy = [r for r in replicas(front.url) if r["running"] == 1]
+        assert len(busy) == 1, replicas(front.url)
+        runtime = busy[0]["runtime"]
+        assert isinstance(runtime, dict)
+        victim = by_url[str(runtime["upstream"]).removesuffix("/v1")]
+        victim.proc.kill()
+        rest = [line[6:] for line in lines if line.startswith("data: ")]
+    errors = [json.loads(c)["error"] for c in rest if c != "[DONE]" and "error" in json.loads(c)]
+    assert errors and errors[0]["code"] == "replica_lost", rest[-3:]
+    down = [r for r in replicas(front.url) if r["replica"] == busy[0]["replica"]][0]
+    assert down["state"] != "ready" and "broke off" in str(down["error"])
+    # The next requests go to the other upstream.
+    for _ in range(3):
+        r = httpx.post(f"{front.url}/v1/chat/completions", json=CHAT, timeout=60)
+        assert r.status_code == 200, r.text
+    # It comes back where it was, and the health check lets the router use it again.
+    LATER.append(upstream_at(victim.port, tmp_path / "back"))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if all(r["state"] == "ready" for r in replicas(front.url)):
+            break
+        time.sleep(0.2)
+    assert all(r["state"] == "ready" for r in replicas(front.url)), replicas(front.url)
+
+
+def test_llama_cpp_pythons_server_is_an_upstream_too(tmp_path: Path) -> None:
+    try:
+        import llama_cpp.server.app  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"llama-cpp-python's server extras are not installed "
+                    f"(pip install 'llama-cpp-python[server]'): {e}")
+    from laya_core.builtin.model_paths import embedded_file
+
+    port = free_port()
+    log = (tmp_path / "llama_cpp_server.log").open("wb")
+    upstream = subprocess.Popen(
+        [sys.executable, "-m", "llama_cpp.server", "--model",
+         embedded_file("smollm2-135m-instruct"), "--port", str(port), "--n_threads", "1",
+         "--n_ctx", "1024"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and upstream.poll() is None:
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        front = FRONT.format(a=url, b=url).replace("replicas = 2", "replicas = 1").replace(
+            'model = "smollm2"\n', "")
+        with serving(front, tmp_path) as server:
+            r = httpx.post(f"{server.url}/v1/chat/completions", json=CHAT, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"]
+            assert r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        upstream.terminate()
+        upstream.wait(30)
+        log.close()
