@@ -216,6 +216,7 @@ class EngineBackendClient(EngineClient):
             self._on_change(self)
 
     def _watch(self) -> None:
+        self._set_state(EngineState.LOADING)  # the router: down until the first load
         was_up = False
         while not self._stopping.is_set():
             if self._state is EngineState.READY:

@@ -1,0 +1,179 @@
+"""An engine-level backend (``kind = "engine"``) in a real deployment: the factory asks it
+for each replica's client instead of building an engine, the client's thread loads until
+it succeeds, and a replica marked down leaves the router's choices until it loads again.
+The backend here is a whole small one: its "engine" echoes the prompt's bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from laya_core.backend import ModelInfo
+from laya_core.config import manifest as mf
+from laya_core.engine.stream import ADMITTED, GenerationStream
+from laya_core.hookspecs import hookimpl
+from laya_core.models.tokenizer import Tokenizer
+from laya_core.plugins import load_registry
+from laya_core.replica.client import EngineState, ReplicaInfo, UnsupportedParameterError
+from laya_core.replica.engine_backend import EngineBackend, EngineBackendClient
+from laya_core.routing.router import NoRouteError
+from laya_core.serving.deployment import Deployment
+from laya_core.structured.spec import ConstraintSpec
+from laya_core.types import FinishReason, SamplingParams, TokenEvent, Usage
+
+# Which replicas' engines answer (by the model's replica index); the test flips them.
+UP: dict[int, threading.Event] = {}
+
+
+class Bytes(Tokenizer):
+    vocab_size = 256  # type: ignore[assignment]
+    special_tokens = frozenset()  # type: ignore[assignment]
+
+    def encode(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
+        return list(text.encode())
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes((token_id,))
+
+
+class EchoClient(EngineBackendClient):
+    health_interval_s = 0.01
+
+    def __init__(self, config: object, replica_id: int, index: int) -> None:
+        super().__init__(config, replica_id)
+        self.index = index
+
+    def load(self) -> ReplicaInfo:
+        if not UP[self.index].is_set():
+            raise ConnectionError("the engine does not answer")
+        info = ModelInfo(n_ctx_train=256, vocab_size=256, eog_token_ids=frozenset(),
+                         chat_template="{{ messages[-1]['content'] }}", bos_token="",
+                         eos_token="", add_bos=False)
+        return self.replica_info(info, 256, "echo-engine")
+
+    def tokenizer(self) -> Tokenizer:
+        return Bytes()
+
+    async def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                     constraint: ConstraintSpec | None = None) -> GenerationStream:
+        if constraint is not None:
+            raise UnsupportedParameterError(constraint.param, "no constraints here")
+        stream = self.new_stream(0, len(prompt_token_ids))
+        self.count_started()
+        text = bytes(prompt_token_ids).decode()
+        for event in (ADMITTED, TokenEvent(text, ()),
+                      TokenEvent("", (), FinishReason.STOP, usage=Usage(1, 1))):
+            stream.queue.put_nowait(event)
+        self.count_finished(FinishReason.STOP, 1)
+        return stream
+
+    def cancel(self, request_id: int) -> None:
+        pass
+
+
+class EchoEngine(EngineBackend):
+    name = "echo-engine"
+    needs_model_file = False
+
+    def engine_client(self, replica_id: int, index: int) -> EngineBackendClient:
+        return EchoClient(self.config, replica_id, index)
+
+
+class Plugin:
+    @hookimpl
+    def register_backends(self, register):  # type: ignore[no-untyped-def]
+        register(EchoEngine.name, EchoEngine)
+
+
+def until(condition: object, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:  # type: ignore[operator]
+        time.sleep(0.01)
+
+
+def routed(d: Deployment, n: int) -> set[int]:
+    """The replicas ``n`` requests of different sessions are routed to, one at a time."""
+    seen = set()
+    for session in map(str, range(n)):
+        replica = d.router.route("m", session)
+        seen.add(replica)
+        d.router.release(replica)
+    return seen
+
+
+@pytest.fixture
+def deployment() -> Deployment:
+    UP.clear()
+    UP.update({0: threading.Event(), 1: threading.Event()})
+    registry = load_registry([Plugin()])
+    manifest = mf.resolve(mf.from_dict({"models": [
+        {"name": "m", "backend": "echo-engine", "path": "engine://echo", "replicas": 2,
+         "max_seq_len": 256}]}), registry)
+    d = Deployment(manifest, registry)
+    yield d
+    d.stop()
+
+
+def test_replicas_join_leave_and_rejoin_the_router_as_their_engine_answers(
+        deployment: Deployment) -> None:
+    d = deployment
+    assert all(isinstance(c, EchoClient) for c in d.clients)  # no engine was built
+    assert [c.index for c in d.clients] == [0, 1]  # type: ignore[attr-defined]
+    UP[1].set()
+    d.start()
+    until(lambda: d.clients[1].state().ready)
+    assert not d.clients[0].state().ready
+    assert "does not answer" in str(d.clients[0].state().error)
+    assert routed(d, 4) == {1}
+    UP[0].set()
+    until(lambda: d.clients[0].state().ready)
+    assert routed(d, 20) == {0, 1}
+    # A request that finds its engine gone marks the replica down; the router skips it,
+    # and the health check (its load) brings it back once the engine answers.
+    UP[1].clear()
+    client = d.clients[1]
+    assert isinstance(client, EchoClient)
+    client.mark_down("the engine went away")
+    assert client.state().state is EngineState.LOADING
+    assert client.state().error == "the engine went away"
+    assert routed(d, 20) == {0}
+    UP[1].set()
+    until(lambda: client.state().ready)
+    assert client.state().ready and client.restarts == 1
+    UP[0].clear()
+    UP[1].clear()
+    for c in d.clients:
+        assert isinstance(c, EchoClient)
+        c.mark_down("gone")
+    with pytest.raises(NoRouteError):
+        d.router.route("m")
+
+
+def test_its_streams_and_counters_reach_the_front_end(deployment: Deployment) -> None:
+    d = deployment
+    UP[0].set()
+    UP[1].set()
+    d.start()
+    until(lambda: all(c.state().ready for c in d.clients))
+    client = d.clients[0]
+    prompt = d.chat_prompt(client, [{"role": "user", "content": "hello"}])
+    assert prompt == list(b"hello")  # rendered by its template, tokenized by its tokenizer
+
+    async def run() -> list[TokenEvent]:
+        stream = await client.submit(prompt, SamplingParams(max_tokens=4))
+        assert await stream.wait_admitted() is None
+        return [e async for e in stream]
+
+    events = asyncio.run(run())
+    assert "".join(e.text for e in events) == "hello"
+    assert events[-1].finish_reason is FinishReason.STOP
+    state = client.state()
+    assert state.finished == {FinishReason.STOP: 1} and state.num_running == 0
+    spec = ConstraintSpec("regex", "start: /a/", "response_format")
+    with pytest.raises(UnsupportedParameterError) as info:
+        asyncio.run(client.submit(prompt, SamplingParams(), spec))
+    assert info.value.param == "response_format"
