@@ -260,9 +260,11 @@ FORMATS: dict[str, ToolFormat] = {f.name: f for f in (
 
 # Distinctive text of each family's published chat templates, checked in this order
 # (Qwen3-Coder's template holds "<tool_call>" too, Mistral's newer ones "[TOOL_CALLS]").
+# Qwen3-Coder's XML is also Qwen3.5's, Nemotron 3's and StepFun 3.5's; Seed-OSS writes it
+# inside <seed:tool_call>, which no format here reads.
 _MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("harmony", ("<|channel|>", "<|call|>")),
-    ("qwen3_coder", ("<function=", "<parameter=")),
+    ("qwen3_coder", ("<tool_call>", "<function=", "<parameter=")),
     ("mistral_args", ("[TOOL_CALLS]", "[ARGS]")),
     ("mistral", ("[TOOL_CALLS]",)),
     ("llama3_json", ("<|python_tag|>",)),

@@ -253,6 +253,7 @@ def test_the_family_is_detected_from_the_chat_template_and_overridable() -> None
         assert tool_format(template).name == family
         assert tool_format(template, "auto").name == family
     assert detect(None) == "hermes"
+    assert detect("{% if tools %}<seed:tool_call><function=f><parameter=p>") == "hermes"
     assert detect("[TOOL_CALLS] and no tool list") == "hermes"  # the generic format
     assert tool_format(TEMPLATE_MARKERS["mistral"], "hermes").name == "hermes"
     with pytest.raises(ValueError, match="qwen3_coder"):
