@@ -242,3 +242,57 @@ def test_llama_cpp_pythons_server_is_an_upstream_too(tmp_path: Path) -> None:
         upstream.terminate()
         upstream.wait(30)
         log.close()
+
+
+# An upstream that refuses and stalls on request, for what a real server does only under
+# load: a 429 with its own Retry-After, and no answer at all.
+STUB = """
+import asyncio, sys
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+import uvicorn
+
+async def models(request):
+    return JSONResponse({"object": "list", "data": [{"id": "stub", "object": "model"}]})
+
+async def chat(request):
+    said = (await request.json())["messages"][-1]["content"]
+    if said == "busy":
+        return JSONResponse({"error": {"message": "too many requests", "type": "rate_limit"}},
+                            status_code=429, headers={"Retry-After": "7"})
+    if said == "bad":
+        return JSONResponse({"error": {"message": "top_p is out of range",
+                                       "param": "top_p"}}, status_code=400)
+    await asyncio.sleep(60)
+
+app = Starlette(routes=[Route("/v1/models", models),
+                        Route("/v1/chat/completions", chat, methods=["POST"])])
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+"""
+
+
+def test_an_upstreams_refusals_and_silence_keep_their_meaning(tmp_path: Path) -> None:
+    port = free_port()
+    stub = subprocess.Popen([sys.executable, "-c", STUB, str(port)])
+    try:
+        url = f"http://127.0.0.1:{port}"
+        front = FRONT.format(a=url, b=url).replace("replicas = 2", "replicas = 1").replace(
+            'model = "smollm2"', 'model = "stub"').replace("timeout_s = 30", "timeout_s = 1")
+        with serving(front, tmp_path) as server:
+            def ask(content: str) -> httpx.Response:
+                return httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
+                    **CHAT, "stream": True, "messages": [{"role": "user",
+                                                          "content": content}]})
+            busy = ask("busy")
+            assert busy.status_code == 429 and busy.headers["retry-after"] == "7", busy.text
+            bad = ask("bad")
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_p"
+            silent = ask("silent")  # no answer within timeout_s
+            assert silent.status_code == 503, silent.text
+            assert "did not answer in time" in silent.json()["error"]["message"]
+            # Neither marks the upstream down: it answered its health check all along.
+            assert replicas(server.url)[0]["state"] == "ready"
+    finally:
+        stub.kill()  # a graceful stop would wait for the request it never answers
+        stub.wait(30)
