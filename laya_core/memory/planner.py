@@ -72,7 +72,9 @@ def _ledgers(configs: list[tuple[ModelConfig, ModelShape, type[Backend]]],
              processes: bool = False) -> list[ReplicaLedger]:
     ledgers, replica = [], 0
     for config, shape, cls in configs:
-        profile = _with_constraints(cls.memory_profile(config, shape), shape)
+        profile = cls.memory_profile(config, shape)
+        if cls.supports_constraints:
+            profile = _with_constraints(profile, shape)
         if processes and cls.load_tokenizer is not Backend.load_tokenizer:  # as Deployment
             profile = _in_worker(profile, shape)
         for _ in range(config.replicas):

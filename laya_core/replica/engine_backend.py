@@ -61,6 +61,9 @@ class EngineBackend(Backend):
 
     kind: ClassVar[str] = "engine"
     kv_layout: ClassVar[str] = "paged"
+    # Constraints reach ``submit`` as a ConstraintSpec; one that applies them (compiling
+    # them with laya_core.structured's GrammarCompiler, or passing a grammar on) says True.
+    supports_constraints: ClassVar[bool] = False
 
     @abc.abstractmethod
     def engine_client(self, replica_id: int, index: int) -> EngineBackendClient:

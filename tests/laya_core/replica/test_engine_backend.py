@@ -16,6 +16,7 @@ from laya_core.backend import ModelInfo
 from laya_core.config import manifest as mf
 from laya_core.engine.stream import ADMITTED, GenerationStream
 from laya_core.hookspecs import hookimpl
+from laya_core.models.files import ModelShape
 from laya_core.models.tokenizer import Tokenizer
 from laya_core.plugins import load_registry
 from laya_core.replica.client import EngineState, ReplicaInfo, UnsupportedParameterError
@@ -79,6 +80,12 @@ class EchoEngine(EngineBackend):
     name = "echo-engine"
     needs_model_file = False
 
+    @classmethod
+    def model_shape(cls, path: str) -> ModelShape:
+        return ModelShape(architecture="echo", n_layers=0, n_heads=0, n_kv_heads=0,
+                          head_dim_k=0, head_dim_v=0, hidden_size=0, vocab_size=256,
+                          n_ctx_train=256, weights_bytes=0, weights_source="none")
+
     def engine_client(self, replica_id: int, index: int) -> EngineBackendClient:
         return EchoClient(self.config, replica_id, index)
 
@@ -111,7 +118,7 @@ def deployment() -> Deployment:
     UP.update({0: threading.Event(), 1: threading.Event()})
     registry = load_registry([Plugin()])
     manifest = mf.resolve(mf.from_dict({"models": [
-        {"name": "m", "backend": "echo-engine", "path": "engine://echo", "replicas": 2,
+        {"name": "m", "backend": "echo-engine", "path": "http://127.0.0.1:9/echo", "replicas": 2,
          "max_seq_len": 256}]}), registry)
     d = Deployment(manifest, registry)
     yield d
@@ -177,3 +184,17 @@ def test_its_streams_and_counters_reach_the_front_end(deployment: Deployment) ->
     with pytest.raises(UnsupportedParameterError) as info:
         asyncio.run(client.submit(prompt, SamplingParams(), spec))
     assert info.value.param == "response_format"
+
+
+def test_the_plan_counts_what_it_reports_and_no_grammars_it_refuses() -> None:
+    from laya_core.memory.planner import make_plan
+
+    registry = load_registry([Plugin()])
+    manifest = mf.resolve(mf.from_dict({"models": [
+        {"name": "m", "backend": "echo-engine", "path": "http://127.0.0.1:9/echo", "max_seq_len": 256},
+        {"name": "s", "path": "embedded:smollm2-135m-instruct", "max_seq_len": 256}]}),
+        registry)
+    engine, step = make_plan(manifest, registry).replicas
+    assert not EchoEngine.supports_constraints
+    assert "grammars" not in {o.name for o in engine.profile.overheads}
+    assert "grammars" in {o.name for o in step.profile.overheads}
