@@ -69,7 +69,7 @@ class OpenAIBackend(EngineBackend):
         return ModelShape(architecture="openai-upstream", n_layers=0, n_heads=0,
                           n_kv_heads=0, head_dim_k=0, head_dim_v=0, hidden_size=0,
                           vocab_size=256, n_ctx_train=MAX_PROMPT_BYTES, weights_bytes=0,
-                          weights_source=f"held by the upstream server at {path}")
+                          weights_source="held by the upstream servers")
 
     @classmethod
     def memory_profile(cls, config: ModelConfig, shape: ModelShape) -> MemoryProfile:
