@@ -175,10 +175,11 @@ class Backend(abc.ABC):
     # Whether step() scores ``StepItem.score_targets`` (prompt log-probabilities); requests
     # asking for them are refused on backends that do not.
     supports_prompt_logprobs: ClassVar[bool] = False
-    # Whether the replica applies structured output (response_format, tools, guided
-    # decoding): a step-level backend does (the core compiles each constraint and masks its
-    # sampling), and the memory plan counts the grammars' memory; an engine-level backend
-    # that refuses constraints says False, and nothing is counted for them.
+    # Whether the replica compiles structured output's constraints (response_format, tools,
+    # guided decoding) with laya_core.structured: a step-level backend does (the core masks
+    # its sampling), and the memory plan counts the grammars' memory; an engine-level
+    # backend that refuses them, or passes them on to an engine that enforces them itself,
+    # says False, and nothing is counted for them.
     supports_constraints: ClassVar[bool] = True
     # Whether ``embed`` computes embeddings (``/v1/embeddings``); requests for a model whose
     # backend does not are refused with a 400 naming the model.

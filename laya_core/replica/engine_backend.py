@@ -61,8 +61,8 @@ class EngineBackend(Backend):
 
     kind: ClassVar[str] = "engine"
     kv_layout: ClassVar[str] = "paged"
-    # Constraints reach ``submit`` as a ConstraintSpec; one that applies them (compiling
-    # them with laya_core.structured's GrammarCompiler, or passing a grammar on) says True.
+    # Constraints reach ``submit`` as a ConstraintSpec; one that compiles them with
+    # laya_core.structured's GrammarCompiler (to mask its engine's sampling) says True.
     supports_constraints: ClassVar[bool] = False
 
     @abc.abstractmethod

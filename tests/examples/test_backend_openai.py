@@ -3,8 +3,8 @@ author's package is: a Laya front end whose model is served by two upstream Laya
 Chats go through streamed and whole, with the upstream's usage and its time as a layer of
 its own; one prompt stays on one upstream; an upstream killed mid-stream ends that stream
 with an error event, the next requests go to the other, and the health check brings it
-back once it serves again. A structured-output request is refused with a 400 naming its
-field."""
+back once it serves again. A JSON schema is passed on for the upstream to enforce; other
+constraints are refused with a 400 naming their field."""
 
 from __future__ import annotations
 
@@ -135,14 +135,22 @@ def test_chats_go_through_whole_and_streamed_with_usage_and_upstream_time(
                      text, re.M), text
 
 
-def test_structured_output_is_refused_naming_its_field(
+def test_a_json_schema_is_the_upstreams_to_enforce_and_a_regex_is_refused(
         servers: tuple[ServerProcess, ServerProcess, ServerProcess]) -> None:
     front, _, _ = servers
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "blue"]}},
+              "required": ["colour"], "additionalProperties": False}
     r = httpx.post(f"{front.url}/v1/chat/completions", timeout=60, json={
-        **CHAT, "response_format": {"type": "json_object"}})
+        **CHAT, "max_tokens": 24, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "c", "schema": schema}}})
+    assert r.status_code == 200, r.text
+    assert json.loads(r.json()["choices"][0]["message"]["content"])["colour"] in ("red",
+                                                                                 "blue")
+    r = httpx.post(f"{front.url}/v1/chat/completions", timeout=60,
+                   json={**CHAT, "guided_regex": "[0-9]+"})
     assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"] == "response_format"
-    assert "cannot constrain" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "guided_regex"
+    assert "JSON output formats only" in r.json()["error"]["message"]
 
 
 def aborted(url: str) -> int:

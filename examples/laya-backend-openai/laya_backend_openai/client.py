@@ -34,6 +34,7 @@ from laya_core.replica.client import (
     UnsupportedParameterError,
 )
 from laya_core.replica.engine_backend import EngineBackendClient
+from laya_core.structured.formats import JSON_KINDS, schema_of
 from laya_core.structured.spec import ConstraintSpec
 from laya_core.types import FinishReason, SamplingParams, Timing, TokenEvent, Usage
 
@@ -59,6 +60,17 @@ def _error_text(response: httpx.Response) -> tuple[str, str | None]:
     if isinstance(error, dict):
         return str(error.get("message") or error), error.get("param")
     return response.text[:500] or response.reason_phrase, None
+
+
+def _response_format(constraint: ConstraintSpec) -> dict[str, Any]:
+    """OpenAI's ``response_format`` for a JSON constraint: its schema as the request gave it
+    (less Laya's whitespace options), which the upstream enforces itself."""
+    if constraint.kind == "json_object":
+        return {"type": "json_object"}
+    schema = schema_of(constraint)
+    if isinstance(schema, dict):
+        schema = {k: v for k, v in schema.items() if k != "x-guidance"}
+    return {"type": "json_schema", "json_schema": {"name": "response", "schema": schema}}
 
 
 class UpstreamClient(EngineBackendClient):
@@ -114,8 +126,11 @@ class UpstreamClient(EngineBackendClient):
 
     # -- requests (the event loop) -------------------------------------------------------------
 
-    def _body(self, prompt_ids: Sequence[int], params: SamplingParams) -> tuple[str, dict[str, Any]]:
+    def _body(self, prompt_ids: Sequence[int], params: SamplingParams,
+              constraint: ConstraintSpec | None) -> tuple[str, dict[str, Any]]:
         path, body = upstream_request(prompt_ids)
+        if constraint is not None:  # JSON (checked before): the upstream enforces it
+            body["response_format"] = _response_format(constraint)
         body.update(model=self.upstream_model, stream=True, temperature=params.temperature,
                     top_p=params.top_p, stream_options={"include_usage": True})
         # A request without max_tokens gets the room the length rule leaves, counted in
@@ -143,11 +158,12 @@ class UpstreamClient(EngineBackendClient):
 
     def _refuse_what_cannot_pass(self, params: SamplingParams,
                                  constraint: ConstraintSpec | None) -> None:
-        if constraint is not None:
+        if constraint is not None and constraint.kind not in JSON_KINDS:
             raise UnsupportedParameterError(
                 constraint.param, f"the openai backend of {self.model!r} passes requests to "
-                "an upstream server and cannot constrain its output; send the request "
-                "without it")
+                "an upstream server, which takes JSON output formats only "
+                "(response_format json_object or json_schema); send the request without "
+                f"this {constraint.kind} constraint")
         if params.logprobs is not None:
             raise UnsupportedParameterError(
                 "logprobs", f"the openai backend of {self.model!r} does not pass "
@@ -171,7 +187,7 @@ class UpstreamClient(EngineBackendClient):
             raise ValueError("the prompt must hold at least one token")
         self._refuse_what_cannot_pass(params, constraint)
         check_length(len(prompt_token_ids), params.max_tokens, self.info().max_seq_len)
-        path, body = self._body(prompt_token_ids, params)
+        path, body = self._body(prompt_token_ids, params, constraint)
         started = time.perf_counter()
         client = self._client()
         try:
