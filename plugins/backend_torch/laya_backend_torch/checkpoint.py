@@ -181,10 +181,12 @@ def _open(path: str) -> GGUFFile | _HFFolder:
     return GGUFFile(p)
 
 
-def check_tensor_names(path: Path, config: LlamaConfig, names: set[str]) -> None:
+def check_tensor_names(path: Path, config: LlamaConfig | dict[str, tuple[int, ...]],
+                       names: set[str]) -> None:
     """CheckpointError unless ``names`` (Hugging Face names) are exactly the tensors of
-    ``config``, but for a tied model's copy of the output head; ``path`` for the message."""
-    expected = config.tensor_shapes()
+    ``config`` (or those names), but for a tied model's copy of the output head; ``path``
+    for the message."""
+    expected = config if isinstance(config, dict) else config.tensor_shapes()
     if missing := [n for n in expected if n not in names]:
         raise CheckpointError(f"{path}: missing tensors {', '.join(missing[:5])}")
     if extra := sorted(names - set(expected) - {"lm_head.weight"}):  # a tied copy is fine
@@ -209,12 +211,23 @@ def llama3_rope_factors(theta: float, head_dim: int, scaling: dict[str, Any]) ->
 
 class _HFFolder:
     rope_freqs = None
+    quantization = "none"
 
     def __init__(self, folder: Path) -> None:
         from safetensors import SafetensorError, safe_open
 
+        from laya_backend_torch.packed import PackedFormatError, packed_format
+
         self.path, self.files = folder, dict[str, Path]()  # tensor name -> its file
         cfg = _read_json(folder / "config.json")
+        self.packed = None  # a GPTQ or AWQ checkpoint's format (laya_backend_torch/packed.py)
+        if cfg.get("quantization_config") is not None:
+            try:
+                self.packed = packed_format(cfg["quantization_config"],
+                                            str(folder / "config.json"))
+            except PackedFormatError as e:
+                raise CheckpointError(str(e)) from None
+            self.quantization = "int4" if self.packed.bits == 4 else "int8"
         gen = _read_json(folder / "generation_config.json", missing_ok=True)
         dtypes: dict[str, tuple[str, tuple[int, ...]]] = {}  # name -> (dtype, shape)
         try:
@@ -231,8 +244,9 @@ class _HFFolder:
         self.config = _hf_config(folder / "config.json", cfg, gen, "lm_head.weight" in dtypes)
         if not self.files:
             raise CheckpointError(f"{folder} has no *.safetensors weights")
-        check_tensor_names(folder, self.config, set(self.files))
-        for name, shape in self.config.tensor_shapes().items():
+        expected = self._stored_shapes()
+        check_tensor_names(folder, expected, set(self.files))
+        for name, shape in expected.items():
             if dtypes[name][1] != shape:
                 raise CheckpointError(f"{self.files[name]}: {name} has shape "
                                       f"{list(dtypes[name][1])}; config.json makes it "
@@ -240,17 +254,52 @@ class _HFFolder:
         kinds = [d for d, _ in dtypes.values()]
         n_files = len(set(self.files.values()))
         self.description = (f"safetensors: {len(dtypes)} tensors in {n_files} file"
-                            f"{'s' * (n_files > 1)}, {max(set(kinds), key=kinds.count)}")
+                            f"{'s' * (n_files > 1)}, {max(set(kinds), key=kinds.count)}"
+                            + (f"; layers {self.packed.describe()}" if self.packed else ""))
 
-    def tensors(self, config: LlamaConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    def _stored_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The tensors the folder must hold: the config's, with each packed projection's
+        ``.weight`` replaced by its format's tensors (``packed.PackedFormat``)."""
+        from laya_backend_torch.packed import PROJECTIONS
+
+        shapes = self.config.tensor_shapes()
+        if self.packed is None:
+            return shapes
+        out: dict[str, tuple[int, ...]] = {}
+        for name, shape in shapes.items():
+            base = name.removesuffix(".weight")
+            if name.startswith("model.layers.") and base.split(".", 3)[-1] in PROJECTIONS:
+                if shape[1] % self.packed.group_size or shape[0] % self.packed.per_word:
+                    raise CheckpointError(
+                        f"{self.path}: {name} [{shape[0]}, {shape[1]}] cannot be packed in "
+                        f"groups of {self.packed.group_size} inputs and {self.packed.per_word} "
+                        "values a word")
+                out |= self.packed.tensor_shapes(base, shape[0], shape[1])
+            else:
+                out[name] = shape
+        return out
+
+    def tensors(self, config: LlamaConfig) -> Iterator[tuple[str, Any]]:
+        """Each tensor of ``config``; a packed projection as one ``packed.GroupQuant``."""
         from safetensors import safe_open
 
+        stored = self._stored_shapes()
         with contextlib.ExitStack() as stack:
             handles: dict[Path, Any] = {}
-            for name in config.tensor_shapes():
+
+            def read(name: str) -> torch.Tensor:
                 if (file := self.files[name]) not in handles:
                     handles[file] = stack.enter_context(safe_open(file, framework="pt"))
-                yield name, handles[file].get_tensor(name)
+                return handles[file].get_tensor(name)
+
+            for name in config.tensor_shapes():
+                if name in stored:
+                    yield name, read(name)
+                    continue
+                assert self.packed is not None
+                base = name.removesuffix(".weight")
+                parts = {n: read(n) for n in stored if n.startswith(base + ".")}
+                yield name, self.packed.unpack(parts, base)
 
 
 def _weight_files(folder: Path) -> list[Path]:

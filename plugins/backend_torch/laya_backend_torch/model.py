@@ -17,12 +17,14 @@ groups (``quant.Int4Linear``) with the output head in int8.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import attrs
 import torch
 import torch.nn.functional as F
 
 from laya_backend_torch.checkpoint import LlamaConfig
+from laya_backend_torch.packed import GroupQuant
 from laya_backend_torch.quant import Int8Linear, Linear, dense, linear_kind
 from laya_backend_torch.rope import cos_sin_table, rotate
 
@@ -109,6 +111,14 @@ def build_batch(items: Iterable[tuple[list[int], int, list[int]]],
                  torch.cat(slots), attention, torch.tensor(logit_rows, dtype=torch.long))
 
 
+def _stacked(parts: list[Any]) -> Any:
+    """Matrices sharing their input, stacked on their outputs: dense tensors, or a GPTQ or
+    AWQ checkpoint's unpacked ones (packed.GroupQuant)."""
+    if isinstance(parts[0], GroupQuant):
+        return GroupQuant.stacked(parts)
+    return torch.cat(parts)
+
+
 class LlamaModel:
     """The weights and the forward pass; the KV pool is given by ``allocate_kv``."""
 
@@ -167,8 +177,8 @@ class LlamaModel:
         bias = None
         if self.config.attention_bias:
             bias = torch.cat([t[f"self_attn.{x}_proj.bias"] for x in "qkv"])
-        qkv = torch.cat([t[f"self_attn.{x}_proj.weight"] for x in "qkv"])
-        gate_up = torch.cat([t["mlp.gate_proj.weight"], t["mlp.up_proj.weight"]])
+        qkv = _stacked([t[f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        gate_up = _stacked([t["mlp.gate_proj.weight"], t["mlp.up_proj.weight"]])
         dt, dev = self.dtype, self.device
         return Layer(self._dense(t["input_layernorm.weight"]), kind.of(qkv, bias, dt, dev),
                      kind.of(t["self_attn.o_proj.weight"], None, dt, dev),
@@ -224,18 +234,23 @@ class LlamaModel:
         (``deterministic``) those bits stay below what the cast back keeps, at 2 to 3.5
         times the attention's cost."""
         dtype, q = q.dtype, q.to(self.attention_dtype)
-        out = torch.empty(q.shape[0], self.q_size, dtype=q.dtype, device=q.device)
         kv_heads = self.config.num_kv_heads  # pool: one layer's [slots, 2 kv_heads, dim]
         if a.decode_rows is not None:
             assert a.decode_slots is not None
             b, length = a.decode_slots.shape
-            qd = q.index_select(0, a.decode_rows).unsqueeze(2)  # [B, heads, 1, dim]
+            alone = b == q.shape[0]  # decodes only, in row order (build_batch's)
+            qd = (q if alone else q.index_select(0, a.decode_rows)).unsqueeze(2)  # [B, heads, 1, dim]
             kvd = pool.index_select(0, a.decode_slots.view(-1)).to(q.dtype)
             kvd = kvd.view(b, length, *pool.shape[1:]).transpose(1, 2)  # [B, 2 kv_heads, L, dim]
             od = F.scaled_dot_product_attention(
                 qd, kvd[:, :kv_heads], kvd[:, kv_heads:],
                 attn_mask=a.decode_mask if b > 1 else None, enable_gqa=True)
+            if alone:  # the step's every row: no copy into a larger output
+                return od.reshape(b, self.q_size).to(dtype)
+            out = torch.empty(q.shape[0], self.q_size, dtype=q.dtype, device=q.device)
             out.index_copy_(0, a.decode_rows, od.reshape(b, self.q_size))
+        else:
+            out = torch.empty(q.shape[0], self.q_size, dtype=q.dtype, device=q.device)
         for row, n, slots, start in a.chunks:
             qc = q[row:row + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
             kvc = pool.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)

@@ -25,6 +25,14 @@ import torch
 import torch.nn.functional as F
 
 from laya_backend_torch.options import INT4_GROUP
+from laya_backend_torch.packed import GroupQuant
+
+# A matrix as the checkpoint gave it: dense, or unpacked from a GPTQ or AWQ folder.
+Weight = torch.Tensor | GroupQuant
+
+
+def _dense_of(weight: Weight) -> torch.Tensor:
+    return weight.dequantize() if isinstance(weight, GroupQuant) else weight
 
 
 def two_rows(x: torch.Tensor) -> torch.Tensor:
@@ -51,9 +59,9 @@ class Linear:
         self.weight, self.bias = weight, bias
 
     @classmethod
-    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+    def of(cls, weight: Weight, bias: torch.Tensor | None, dtype: torch.dtype,
            device: torch.device) -> Linear:
-        return cls(dense(weight, dtype, device),
+        return cls(dense(_dense_of(weight), dtype, device),
                    None if bias is None else dense(bias, dtype, device))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,9 +83,9 @@ class Int8Linear(Linear):
     row's largest magnitude maps to 127)."""
 
     @classmethod
-    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+    def of(cls, weight: Weight, bias: torch.Tensor | None, dtype: torch.dtype,
            device: torch.device) -> Int8Linear:
-        w = weight.to(device=device, dtype=torch.float32)
+        w = _dense_of(weight).to(device=device, dtype=torch.float32)
         scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
         q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
         return cls(q, None if bias is None else dense(bias, dtype, device),
@@ -89,7 +97,13 @@ class Int8Linear(Linear):
         self.scales, self.dtype = scales, dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._product(x.to(torch.bfloat16).contiguous()).to(self.dtype)
+        # The casts only where needed: each call of a tensor method costs a dispatch even
+        # when it returns its input, and a decode makes 150 of these products.
+        if x.dtype != torch.bfloat16:
+            x = x.to(torch.bfloat16)
+        out = self._product(x if x.is_contiguous() else x.contiguous())
+        if out.dtype != self.dtype:
+            out = out.to(self.dtype)
         return out if self.bias is None else out + self.bias
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,23 +118,35 @@ class Int8Linear(Linear):
         return super().nbytes + self.scales.nbytes
 
 
-def int4_fits(weight: torch.Tensor, device: torch.device) -> bool:
+def int4_fits(weight: Weight, device: torch.device, group: int = INT4_GROUP) -> bool:
     """Whether torch's CPU int4 kernel takes this [out, in] matrix in its 64-row blocks:
-    rows a multiple of 64 and inputs a multiple of the group."""
+    rows a multiple of 64 and inputs a multiple of the group (32 to 256 inputs)."""
     return device.type == "cpu" and weight.shape[0] % 64 == 0 \
-        and weight.shape[1] % INT4_GROUP == 0
+        and group in (32, 64, 128, 256) and weight.shape[1] % group == 0
 
 
 class Int4Linear(Int8Linear):
-    """A weight [out, in] as 4-bit values in groups of ``INT4_GROUP`` inputs, each group
-    with a bfloat16 scale and minimum: ``w = scale x q + min``, q in 0..15. The kernel reads
-    the pair as ``(q - 8) x scale + zero``, so ``zero = min + 8 x scale`` is what is kept,
-    as ``scales`` [groups, out, 2]. A matrix the kernel cannot take (``int4_fits``) is kept
-    in int8 instead."""
+    """A weight [out, in] as 4-bit values in groups of ``group`` inputs, each group with a
+    bfloat16 scale and minimum: ``w = scale x q + min``, q in 0..15. The kernel reads the
+    pair as ``(q - 8) x scale + zero``, so ``zero = min + 8 x scale`` is what is kept, as
+    ``scales`` [groups, out, 2]. A matrix the kernel cannot take (``int4_fits``) is kept in
+    int8 instead.
+
+    A GPTQ or AWQ matrix (``from_groups``) keeps its own integers, group size and zero
+    points: ``scale x (q - z)`` is the kernel's pair with ``zero = (8 - z) x scale``. Under
+    act-order its inputs are reordered so that each group is contiguous, and ``inputs``
+    reorders the activations alike at each call."""
+
+    group = INT4_GROUP
+    inputs: torch.Tensor | None = None  # the activations' order (act-order), else None
 
     @classmethod
-    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+    def of(cls, weight: Weight, bias: torch.Tensor | None, dtype: torch.dtype,
            device: torch.device) -> Int8Linear:
+        if isinstance(weight, GroupQuant):
+            if weight.bits == 4 and int4_fits(weight, device, weight.group_size):
+                return cls.from_groups(weight, bias, dtype, device)
+            return Int8Linear.of(weight, bias, dtype, device)
         if not int4_fits(weight, device):
             return Int8Linear.of(weight, bias, dtype, device)
         out_features, in_features = weight.shape
@@ -134,15 +160,41 @@ class Int4Linear(Int8Linear):
         return cls(packed, None if bias is None else dense(bias, dtype, device),
                    scale_zero.transpose(0, 1).to(torch.bfloat16).contiguous(), dtype)
 
+    @classmethod
+    def from_groups(cls, weight: GroupQuant, bias: torch.Tensor | None, dtype: torch.dtype,
+                    device: torch.device) -> Int4Linear:
+        """A 4-bit GPTQ or AWQ matrix as stored; only its scales and zero offsets are
+        rounded, to the kernel's bfloat16."""
+        q, order = weight.q, weight.grouped_inputs()
+        groups = torch.arange(q.shape[1]) // weight.group_size
+        if order is not None:
+            q, groups = q[:, order], weight.g_idx[order]
+        first = groups[::weight.group_size]  # each kernel group's checkpoint group
+        scale, zero = weight.scales[first], weight.zeros[first]  # [groups, out]
+        packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        scale_zero = torch.stack((scale, (8 - zero) * scale), dim=2)  # [groups, out, 2]
+        linear = cls(packed.to(device), None if bias is None else dense(bias, dtype, device),
+                     scale_zero.to(device=device, dtype=torch.bfloat16).contiguous(), dtype)
+        linear.group = weight.group_size
+        if order is not None:
+            linear.inputs = order.to(device)
+        return linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inputs is not None:
+            x = x.index_select(-1, self.inputs)
+        return super().__call__(x)
+
     def _product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int4pack_mm_for_cpu(x, self.weight, INT4_GROUP, self.scales)
+        return torch._weight_int4pack_mm_for_cpu(x, self.weight, self.group, self.scales)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError("an int4 matrix is not an embedding (the model keeps its "
                                   "embedding in int8)")
 
     def dequantized(self) -> torch.Tensor:
-        """The float32 matrix [out, in] these 4-bit values stand for (for tests)."""
+        """The float32 matrix [out, in] these 4-bit values stand for (for tests), in the
+        checkpoint's input order."""
         # torch's CPU layout: per 64 rows and per input, 32 bytes, byte j holding row j in
         # its low half and row 32 + j in its high half.
         out_features, in_features = self.weight.shape[0], self.weight.shape[1] * 2
@@ -150,9 +202,12 @@ class Int4Linear(Int8Linear):
         q = torch.cat((packed & 15, packed >> 4), dim=2)  # [blocks, in, 64]
         q = q.transpose(1, 2).reshape(out_features, in_features)
         scale, zero = self.scales.float().unbind(dim=2)  # [groups, out]
-        w = (q.float().view(q.shape[0], -1, INT4_GROUP) - 8) * scale.T[..., None] \
+        w = (q.float().view(q.shape[0], -1, self.group) - 8) * scale.T[..., None] \
             + zero.T[..., None]
-        return w.view(q.shape[0], -1)
+        w = w.view(q.shape[0], -1)
+        if self.inputs is not None:
+            w = w[:, torch.argsort(self.inputs)]
+        return w
 
 
 def linear_kind(quantize: str) -> type[Linear]:
