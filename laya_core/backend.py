@@ -51,6 +51,9 @@ class ModelConfig:
     # input of max_seq_len (planned); off by default, since a generation-only deployment
     # would pay for it on every replica (a 7B model at 32k: 16 GiB of KV).
     embeddings: bool = False
+    # The family's tool-call format (laya_core/structured/tool_formats.py), or "auto": the
+    # one its chat template shows.
+    tool_call_format: str = "auto"
 
 
 @attrs.frozen

@@ -32,6 +32,7 @@ from laya_core.kv.dtypes import kv_dtype_problems
 from laya_core.models.files import model_file_problem
 from laya_core.replica.worker_link import DEFAULT_SILENCE_S
 from laya_core.routing.router import POLICIES
+from laya_core.structured.tool_formats import FORMATS as TOOL_FORMATS
 
 __all__ = ["AUTO_BACKEND", "CLUSTER_KEYS", "EMBEDDED_MODEL", "ENGINE_KINDS",
            "MEMORY_KEYS", "MODEL_KEYS", "ROUTER_KEYS", "SERVER_KEYS", "TOP_KEYS",
@@ -129,7 +130,7 @@ def _router(data: Any, problems: Problems) -> RouterConfig:
 MODEL_KEYS = ("name", "backend", "path", "max_seq_len", "max_num_seqs", "kv_cache_tokens",
               "kv_cache_dtype", "prefix_caching", "routing", "replicas", "max_step_tokens",
               "max_queue", "queue_timeout_s", "scheduler", "cache_policy", "embeddings",
-              "options")
+              "tool_call_format", "options")
 
 
 def _name_problem(v: str) -> str | None:
@@ -177,13 +178,16 @@ def _model(data: Any, index: int, base_dir: Path, problems: Problems) -> ModelCo
     cache_policy = t.get("cache_policy", str, "auto", check=non_empty)
     options = dict(t.get("options", dict, {}))
     embeddings = t.get("embeddings", bool, False)
+    tool_call_format = t.get("tool_call_format", str, "auto", check=lambda v: None
+                             if v == "auto" or v in TOOL_FORMATS else
+                             "must be auto or one of " + ", ".join(TOOL_FORMATS))
     t.finish(MODEL_KEYS)
     if name is None or path is None:
         return None
     return ModelConfig(name, backend, path, max_seq_len, max_num_seqs, replicas,
                        max_step_tokens, scheduler, cache_policy, kv_cache_tokens,
                        kv_cache_dtype, prefix_caching, routing, max_queue,
-                       float(queue_timeout_s), options, embeddings)
+                       float(queue_timeout_s), options, embeddings, tool_call_format)
 
 
 def _from_dict(data: Mapping[str, Any], source: str, base_dir: Path,

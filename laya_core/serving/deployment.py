@@ -218,7 +218,7 @@ class Deployment:
     def tool_format(self, client: EngineClient) -> ToolFormat:
         """The tool-call format of a replica's model: the one its chat template shows, or
         the model's ``tool_call_format`` where its manifest entry names one."""
-        override = getattr(self.models[client.model], "tool_call_format", None)
+        override = self.models[client.model].tool_call_format
         return tool_format(client.info().model_info.chat_template, override)
 
     def chat_prompt(self, client: EngineClient, messages: Sequence[Mapping[str, Any]],

@@ -31,10 +31,15 @@ def test_defaults_are_safe() -> None:
     assert config.max_seq_len is None  # decided at load: min(4096, the model's own)
     assert config.max_num_seqs is None  # decided by the plan: 4, or what kv_cache_tokens holds
     assert config.replicas == 1 and config.kv_cache_dtype == "f16"
+    assert config.tool_call_format == "auto"  # the one the chat template shows
+    assert parse(models=[model(tool_call_format="mistral")]).models[0].tool_call_format \
+        == "mistral"
 
 
 @pytest.mark.parametrize(("models", "key", "words"), [
     ([model(max_seq_len=8)], "models[0].max_seq_len", "between 16"),
+    ([model(tool_call_format="json")], "models[0].tool_call_format",
+     "auto or one of hermes"),
     ([model(max_seq_len="big")], "models[0].max_seq_len", "expected int"),
     ([model(max_num_seqs=True)], "models[0].max_num_seqs", "expected int"),
     ([model(replicas=0)], "models[0].replicas", "between 1"),
