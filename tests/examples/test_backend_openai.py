@@ -304,3 +304,33 @@ def test_an_upstreams_refusals_and_silence_keep_their_meaning(tmp_path: Path) ->
     finally:
         stub.kill()  # a graceful stop would wait for the request it never answers
         stub.wait(30)
+
+
+def test_a_deployment_in_code_serves_from_one_event_loop_after_another(
+        servers: tuple[ServerProcess, ServerProcess, ServerProcess]) -> None:
+    import asyncio
+
+    from laya_core.config import manifest as mf
+    from laya_core.plugins import load_registry
+    from laya_core.serving.deployment import Deployment
+    from laya_core.types import SamplingParams
+
+    _, a, _ = servers
+    registry = load_registry()
+    d = Deployment(mf.resolve(mf.from_dict({"models": [
+        {"name": "relay", "backend": "openai", "path": f"{a.url}/v1", "max_seq_len": 4096,
+         "options": {"model": "smollm2"}}]}), registry), registry)
+    d.start()
+    try:
+        assert d.wait_ready(30), d.clients[0].state().error
+        client = d.clients[0]
+        prompt = d.chat_prompt(client, [{"role": "user", "content": "Name a colour."}])
+
+        async def ask() -> str:
+            stream = await client.submit(prompt, SamplingParams(max_tokens=3, temperature=0))
+            return "".join([event.text async for event in stream])
+
+        first = asyncio.run(ask())
+        assert first and asyncio.run(ask()) == first  # a second loop, its own connections
+    finally:
+        d.stop()

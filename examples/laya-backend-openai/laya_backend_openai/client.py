@@ -89,6 +89,7 @@ class UpstreamClient(EngineBackendClient):
         self._ids = itertools.count()
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._http: httpx.AsyncClient | None = None  # made on the event loop that uses it
+        self._http_loop: asyncio.AbstractEventLoop | None = None
 
     # -- lifecycle (the replica's thread) -----------------------------------------------------
 
@@ -174,8 +175,12 @@ class UpstreamClient(EngineBackendClient):
                 "of the upstream's vocabulary; use stop strings")
 
     def _client(self) -> httpx.AsyncClient:
-        if self._http is None:
+        """The connection pool of the running event loop (a pool is bound to its loop; code
+        that embeds a deployment may call from several loops, one after another)."""
+        loop = asyncio.get_running_loop()
+        if self._http is None or self._http_loop is not loop:
             self._http = httpx.AsyncClient(timeout=self.timeout, headers=self.headers)
+            self._http_loop = loop
         return self._http
 
     async def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams,
