@@ -15,10 +15,12 @@ the baseline server (``--baseline``, default the first); ``--out`` writes it all
 
 Laya serves the embedded model with its own defaults, changed only by the spec's JSON: a
 ``"backend"`` key picks the backend (``--laya 'torch:{"backend": "torch"}'``), an
-``"engine"`` key ``[cluster] engine`` (``--laya 'threads:{"engine": "thread"}'``), the keys
-of a ``[[models]]`` table (``max_seq_len``, ``max_num_seqs``, ...) go there, and the rest
-into ``[models.options]``. llama-server serves the same file once per ``--llama-config
-NAME=ARGS``: by default with its true defaults (``llama-defaults``: no flags) and tuned
+``"engine"`` key ``[cluster] engine`` (``--laya 'threads:{"engine": "thread"}'``), a
+``"path"`` key another model (a GPTQ or AWQ folder of the embedded model, say), the keys of
+a ``[[models]]`` table (``max_seq_len``, ``max_num_seqs``, ...) go there, and the rest into
+``[models.options]``. Each run records how long its server took to answer ready
+(``ready_s``: the process's start and the model's load). llama-server serves the same file
+once per ``--llama-config NAME=ARGS``: by default with its true defaults (``llama-defaults``: no flags) and tuned
 (``llama-np8``: ``-np 8 -c 16384``); ``--llama-server-common`` adds flags to every one (on a
 CPU with AMX, ``--no-repack``: its repacked Q4_1 weights crash there). Each run records the
 machine's load average just before it starts; the JSON names the CPU. It sends traffic only
@@ -54,7 +56,7 @@ engine = "{engine}"
 [[models]]
 name = "smollm2"
 backend = "{backend}"
-path = "embedded:smollm2-135m-instruct"
+path = {path}
 {model}
 [models.options]
 {options}
@@ -85,18 +87,22 @@ class Server:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    ready_s: float | None = None  # how long the last start took to answer ready
+
     def start(self, log: Path, timeout_s: float = 120.0) -> subprocess.Popen[bytes]:
         with log.open("wb") as out:
             # Run from the log's folder: `python -m` puts the working folder first on
             # sys.path, and this checkout's laya_core must not shadow another install's.
             proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
                                     cwd=log.parent)
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline = started + timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {proc.returncode}; see {log}")
             try:
                 if httpx.get(self.url + self.ready_path, timeout=2).status_code == 200:
+                    self.ready_s = round(time.monotonic() - started, 2)
                     return proc
             except httpx.TransportError:
                 pass
@@ -117,8 +123,9 @@ def laya_server(spec: str, workdir: Path) -> Server:
     port = _free_port()
     manifest = workdir / f"{name}.toml"
     model = {k: table.pop(k) for k in list(table) if k in MODEL_KEYS}
+    path = table.pop("path", "embedded:smollm2-135m-instruct")  # another model (its folder)
     manifest.write_text(LAYA_MANIFEST.format(
-        port=port, backend=backend, engine=engine,
+        port=port, backend=backend, engine=engine, path=_toml_value(path),
         model="\n".join(f"{k} = {_toml_value(v)}" for k, v in model.items()),
         options="\n".join(f"{k} = {_toml_value(v)}" for k, v in table.items())))
     argv = [python or sys.executable, "-m", "laya_core.cli.main", "serve", str(manifest)]
@@ -176,7 +183,8 @@ def measure(server: Server, args: argparse.Namespace, log: Path) -> dict[int, di
             p.wait()
         stop(proc)
     summary = json.loads(run.stdout.strip().splitlines()[-1])
-    return {lv["concurrency"]: {**lv, "load_before": round(load, 2)} for lv in summary["levels"]}
+    return {lv["concurrency"]: {**lv, "load_before": round(load, 2), "ready_s": server.ready_s}
+            for lv in summary["levels"]}
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

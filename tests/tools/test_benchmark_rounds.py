@@ -47,6 +47,7 @@ def test_two_laya_configurations_in_one_round(tmp_path: Path) -> None:
     assert "ratio to defaults" in run.stdout
     assert result["machine"]["cpus"] >= 1 and result["machine"]["cpu"]
     assert result["rounds"][0]["levels"]["1"]["load_before"] >= 0
+    assert result["rounds"][0]["levels"]["1"]["ready_s"] > 0
 
 
 def test_a_spec_splits_into_the_model_table_and_its_options(tmp_path: Path) -> None:
@@ -59,6 +60,9 @@ def test_a_spec_splits_into_the_model_table_and_its_options(tmp_path: Path) -> N
     assert (model["max_num_seqs"], model["max_seq_len"]) == (16, 1024)
     assert model["options"] == {"n_threads": 2}
     assert manifest["cluster"]["engine"] == "thread" and server.name == "tuned"
+    other = rounds.laya_server('awq:{"backend": "torch", "path": "/models/awq"}', tmp_path)
+    assert tomllib.loads((tmp_path / "awq.toml").read_text())["models"][0]["path"] == \
+        "/models/awq" and other.name == "awq"
     plain = tomllib.loads((rounds.laya_server("defaults", tmp_path) and
                            (tmp_path / "defaults.toml")).read_text())["models"][0]
     assert "max_num_seqs" not in plain and "max_seq_len" not in plain  # Laya's own defaults

@@ -96,8 +96,10 @@ def planned_threads(config: ModelConfig) -> int:
     return physical_cores() if threads == "auto" else int(threads)
 
 
-def weight_bytes(config: ModelConfig, c: LlamaConfig, quantize: str) -> tuple[int, str]:
-    """The loaded weights' bytes, and how they were counted."""
+def weight_bytes(config: ModelConfig, c: LlamaConfig, quantize: str,
+                 group: int = INT4_GROUP) -> tuple[int, str]:
+    """The loaded weights' bytes, and how they were counted. ``group``: the int4 layers'
+    inputs per group (a GPTQ or AWQ folder's own; 32 for every other checkpoint)."""
     dtype = planned_dtype(config)
     size = _DTYPE_BYTES[dtype]
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -119,12 +121,28 @@ def weight_bytes(config: ModelConfig, c: LlamaConfig, quantize: str) -> tuple[in
             layers = matrices + c.num_layers * rows * 2
             how = "int8 matrices (one bfloat16 scale per row)"
         else:
-            layers = matrices // 2 + matrices // INT4_GROUP * 4
-            how = ("int4 layer matrices (a bfloat16 scale and zero per 32) and an int8 "
+            layers = matrices // 2 + matrices // group * 4
+            how = (f"int4 layer matrices (a bfloat16 scale and zero per {group}) and an int8 "
                    "output head")
         return layers + head + dense + vectors * size, f"{dtype} with {how}"
     embeddings = embedding * (1 if c.tie_word_embeddings else 2)
     return (matrices + embeddings + vectors) * size, f"{dtype}, every tensor"
+
+
+def packed_group_size(path: str) -> int:
+    """The int4 group size a GPTQ or AWQ folder's layers keep (its quantization_config's
+    group_size where the int4 kernel takes it), else the kernel's 32."""
+    import json
+
+    folder = Path(path)
+    if not folder.is_dir():
+        return INT4_GROUP
+    try:
+        qc = json.loads((folder / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return INT4_GROUP
+    group = qc.get("group_size") if isinstance(qc, dict) else None
+    return group if group in (32, 64, 128, 256) else INT4_GROUP
 
 
 def activation_bytes(config: ModelConfig, c: LlamaConfig, shape: ModelShape,
@@ -183,7 +201,7 @@ def memory_profile(config: ModelConfig, shape: ModelShape) -> MemoryProfile:
 
     c, stored = read_header(config.path)
     quantize, _ = quantization(config.options, stored)  # as options.choose will
-    weights, how = weight_bytes(config, c, quantize)
+    weights, how = weight_bytes(config, c, quantize, packed_group_size(config.path))
     kv_per_token = kv_bytes_per_token(shape, config.kv_cache_dtype)
     activations = activation_bytes(config, c, shape, quantize)
     logits, sampled, scored = logits_bytes(config, shape.vocab_size)
