@@ -17,22 +17,9 @@ from laya_backend_torch.checkpoint import CheckpointError, open_checkpoint
 from laya_backend_torch.packed import GroupQuant, PackedFormat, packed_format
 from laya_backend_torch.quant import Int4Linear, Int8Linear
 from torch_fixtures import *  # noqa: F403 - the fixtures (torch_fixtures.py)
+from torch_fixtures import pack_words
 
 OUT, IN, GROUP = 128, 96, 32
-
-
-def _pack_along(values: torch.Tensor, bits: int, dim: int, order: list[int] | None = None
-                ) -> torch.Tensor:
-    """int values -> int32 words, per_word consecutive entries of ``dim`` in each word
-    (entry k of a run in nibble order.index(k) when ``order`` is given)."""
-    per_word = 32 // bits
-    v = values.to(torch.int64).movedim(dim, -1)
-    v = v.reshape(*v.shape[:-1], -1, per_word)
-    if order is not None:
-        v = v[..., order]
-    words = sum(v[..., k] << (bits * k) for k in range(per_word))
-    words = torch.where(words >= 2**31, words - 2**32, words)  # as int32 stores them
-    return words.to(torch.int32).movedim(-1, dim)
 
 
 def _random(bits: int, sym: bool, act_order: bool, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -61,8 +48,8 @@ def test_gptq_unpacks_to_the_matrix_it_packs(bits: int, sym: bool, v2: bool,
                                              act_order: bool) -> None:
     m = _random(bits, sym, act_order)
     stored_zeros = m["zeros"] if v2 else (m["zeros"] - 1)
-    tensors = {"p.qweight": _pack_along(m["q"], bits, 0),
-               "p.qzeros": _pack_along(stored_zeros, bits, 1),
+    tensors = {"p.qweight": pack_words(m["q"], bits, 0),
+               "p.qzeros": pack_words(stored_zeros, bits, 1),
                "p.scales": m["scales"], "p.g_idx": m["g_idx"].to(torch.int32)}
     fmt = PackedFormat("gptq", bits, GROUP, sym, act_order, zeros_as_stored=v2)
     assert {k: tuple(v.shape) for k, v in tensors.items()} == fmt.tensor_shapes("p", OUT, IN)
@@ -73,8 +60,8 @@ def test_gptq_unpacks_to_the_matrix_it_packs(bits: int, sym: bool, v2: bool,
 def test_awq_unpacks_its_interleaved_columns(sym: bool) -> None:
     m = _random(4, sym, act_order=False)
     order = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble k holds column order[k]
-    tensors = {"p.qweight": _pack_along(m["q"], 4, 1, order),
-               "p.qzeros": _pack_along(m["zeros"], 4, 1, order), "p.scales": m["scales"]}
+    tensors = {"p.qweight": pack_words(m["q"], 4, 1, order),
+               "p.qzeros": pack_words(m["zeros"], 4, 1, order), "p.scales": m["scales"]}
     fmt = PackedFormat("awq", 4, GROUP, sym)
     assert {k: tuple(v.shape) for k, v in tensors.items()} == fmt.tensor_shapes("p", OUT, IN)
     assert torch.equal(fmt.unpack(tensors, "p").dequantize(), _expected(m))

@@ -24,7 +24,7 @@ from laya_backend_torch.checkpoint import open_checkpoint
 from laya_backend_torch.packed import GroupQuant
 from laya_backend_torch.quant import Int4Linear
 from torch_fixtures import *  # noqa: F403 - the fixtures (torch_fixtures.py)
-from torch_fixtures import PROMPTS
+from torch_fixtures import PROMPTS, pack_words
 
 from laya_core.builtin.model_paths import embedded_file
 
@@ -52,9 +52,9 @@ def _auto_round(hf: Path, out: Path, *flags: str) -> Path:
 
 @pytest.fixture(scope="module")
 def checkpoints() -> dict[str, Path]:
-    """``{"gptq", "awq", "gptq-asym", "awq-asym"}`` -> folder, made once and kept."""
+    """``{"gptq", "awq", "gptq-asym", "awq-asym", "gptq-act-order"}`` -> folder, made
+    once and kept."""
     import auto_round
-
     from laya_backend_torch.export import main as export_main
 
     cache = Path(os.environ.get("LAYA_TEST_CACHE", Path.home() / ".cache" / "laya-tests"))
@@ -64,7 +64,9 @@ def checkpoints() -> dict[str, Path]:
         shutil.rmtree(hf, ignore_errors=True)
         assert export_main(["--dtype", "bfloat16", embedded_file("smollm2-135m-instruct"),
                             str(hf)]) == 0
-    out = {}
+    out = {"gptq-act-order": root / "gptq-act-order"}
+    if not out["gptq-act-order"].exists():
+        _act_order_gptq(hf, out["gptq-act-order"])
     for name, flags in (("sym", ()), ("asym", ("--asym",))):
         folder = root / name
         if not folder.exists():
@@ -74,14 +76,57 @@ def checkpoints() -> dict[str, Path]:
     return out
 
 
+def act_order_rtn(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ's act-order layout of a dense [out, in] matrix, rounded to the nearest: the
+    inputs by decreasing column norm, 32 at a time into a group (every group's inputs
+    scattered over the matrix), 16 symmetric levels (zero 8). Returns q [in, out], scales
+    [groups, out] (float16) and g_idx [in]. The tools pick the order from activations
+    (GPTQ's Hessian); any order makes the same format."""
+    w = w.float()
+    order = torch.argsort(w.norm(dim=0), descending=True)
+    g_idx = torch.empty(w.shape[1], dtype=torch.long)
+    g_idx[order] = torch.arange(w.shape[1]) // 32
+    groups = w.T[order].reshape(-1, 32, w.shape[0])  # [groups, 32, out]
+    scales = (groups.abs().amax(dim=1) / 7.5).clamp(min=1e-8).to(torch.float16)
+    q = torch.clamp(torch.round(w.T / scales.float()[g_idx]) + 8, 0, 15)
+    return q, scales, g_idx
+
+
+def _act_order_gptq(hf: Path, out: Path) -> Path:
+    """A GPTQ folder with act-order (``desc_act``) of ``hf`` (:func:`act_order_rtn`, zeros
+    stored less one: v1), written here with the formats' own packing (``pack_words``):
+    neither auto-round nor its loader makes or reads act-order."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(hf, tmp)
+    tensors = load_file(hf / "model.safetensors")
+    for name in [n for n in tensors if n.endswith("_proj.weight")]:
+        q, scales, g_idx = act_order_rtn(tensors.pop(name))
+        base = name.removesuffix(".weight")
+        tensors |= {f"{base}.qweight": pack_words(q, 4, 0),
+                    f"{base}.qzeros": pack_words(torch.full_like(scales, 7, dtype=torch.int64),
+                                                 4, 1),
+                    f"{base}.scales": scales, f"{base}.g_idx": g_idx.to(torch.int32)}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / "model.safetensors")
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32,
+                                  "sym": True, "desc_act": True, "checkpoint_format": "gptq"}
+    (tmp / "config.json").write_text(json.dumps(cfg))
+    tmp.rename(out)
+    return out
+
+
 def packed_layers(path: Path) -> dict[str, GroupQuant]:
     return {name: t for name, t in open_checkpoint(str(path)).tensors()
             if isinstance(t, GroupQuant) and name.startswith(CHECKED_LAYERS)}
 
 
-@pytest.fixture(scope="module")
-def reference(checkpoints: dict[str, Path]) -> Any:
-    """transformers with auto-round's torch kernels, float32, from the symmetric GPTQ folder."""
+def auto_round_model(path: Path) -> Any:
+    """transformers with auto-round's torch kernels, float32, from a GPTQ folder."""
     import warnings
 
     from transformers import AutoModelForCausalLM, AutoRoundConfig
@@ -89,8 +134,14 @@ def reference(checkpoints: dict[str, Path]) -> Any:
     with warnings.catch_warnings():  # "the model's own quantization_config will be used"
         warnings.simplefilter("ignore", UserWarning)
         return AutoModelForCausalLM.from_pretrained(
-            checkpoints["gptq"], quantization_config=AutoRoundConfig(backend="torch"),
+            path, quantization_config=AutoRoundConfig(backend="torch"),
             dtype=torch.float32, device_map="cpu").eval()
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints: dict[str, Path]) -> Any:
+    """The reference of the symmetric GPTQ folder auto-round wrote."""
+    return auto_round_model(checkpoints["gptq"])
 
 
 def reference_matrix(reference: Any, name: str, in_features: int) -> torch.Tensor:
@@ -114,6 +165,29 @@ def test_gptq_and_awq_layers_equal_auto_rounds_own_loader(checkpoints: dict[str,
             assert type(kernel) is Int4Linear
             step = 2**-8 * want.abs().max().item()
             assert (kernel.dequantized() - want).abs().max().item() <= step, (kind, name)
+
+
+def test_act_order_layers_are_the_matrices_written(checkpoints: dict[str, Path]) -> None:
+    """auto-round's loader refuses a g_idx other than i // group_size, and gptqmodel (the
+    act-order reader) pins numpy and torchao versions that the rest of the suite does not
+    take; so the check is against the matrices the folder was written from."""
+    from safetensors.torch import load_file
+
+    dense = load_file(checkpoints["gptq-act-order"].parent / "hf" / "model.safetensors")
+    layers = packed_layers(checkpoints["gptq-act-order"])
+    assert len(layers) == 14
+    for name, gq in layers.items():
+        assert gq.grouped_inputs() is not None  # scattered groups: the inputs reordered
+        q, scales, g_idx = act_order_rtn(dense[name])
+        want = (scales.float()[g_idx] * (q - 8)).T
+        assert torch.equal(gq.dequantize(), want), name
+        kernel = Int4Linear.of(gq, None, torch.bfloat16, torch.device("cpu"))
+        assert type(kernel) is Int4Linear and kernel.inputs is not None
+        step = 2**-8 * want.abs().max().item()
+        assert (kernel.dequantized() - want).abs().max().item() <= step, name
+        x = torch.randn(3, gq.shape[1])
+        got = kernel(x.to(torch.bfloat16)).float()
+        assert torch.allclose(got, x @ want.T, atol=0.05 * (x @ want.T).abs().max().item())
 
 
 def test_asymmetric_awq_equals_its_gptq_twin(checkpoints: dict[str, Path]) -> None:

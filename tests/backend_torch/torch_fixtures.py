@@ -16,7 +16,7 @@ import pytest
 
 from laya_core.builtin.model_paths import embedded_file
 
-__all__ = ["hf_export_dir", "hf_model", "one_torch_thread"]
+__all__ = ["hf_export_dir", "hf_model", "one_torch_thread", "pack_words"]
 
 # Prompts the torch tests compare logits on: prose, a chat turn, code and digits.
 PROMPTS = [
@@ -58,3 +58,20 @@ def hf_model(hf_export_dir: Path) -> Any:
 
     return transformers.LlamaForCausalLM.from_pretrained(hf_export_dir,
                                                          dtype=torch.float32).eval()
+
+
+def pack_words(values: Any, bits: int, dim: int, order: list[int] | None = None) -> Any:
+    """Integer values -> int32 words as GPTQ and AWQ store them: ``32 // bits`` consecutive
+    entries of ``dim`` in each word, entry k of a run in nibble k (or in nibble
+    ``order.index(k)``: AWQ's 0, 2, 4, 6, 1, 3, 5, 7). Written from the formats'
+    descriptions, apart from the backend's unpacking."""
+    import torch
+
+    per_word = 32 // bits
+    v = values.to(torch.int64).movedim(dim, -1)
+    v = v.reshape(*v.shape[:-1], -1, per_word)
+    if order is not None:
+        v = v[..., order]
+    words = sum(v[..., k] << (bits * k) for k in range(per_word))
+    words = torch.where(words >= 2**31, words - 2**32, words)  # as int32 stores them
+    return words.to(torch.int32).movedim(-1, dim)
