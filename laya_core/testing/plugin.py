@@ -14,6 +14,7 @@ from laya_core.config import manifest as mf
 from laya_core.engine.engine import Engine
 from laya_core.memory import planner
 from laya_core.plugins import Registry, load_registry
+from laya_core.replica.client import EngineClient
 from laya_core.serving.deployment import Deployment
 
 # Small enough that prompts are prefilled in several chunks, and that a few sequences fill
@@ -66,8 +67,9 @@ def laya_deployment(laya_registry: Registry,
     rss_before[0] = rss()
     deployment.start()
     if not deployment.wait_ready(300):
+        error = deployment.clients[0].state().error
         deployment.stop()
-        pytest.fail(f"the replica did not load: {deployment.engines[0].error}")
+        pytest.fail(f"the replica did not load: {error}")
     yield deployment
     deployment.stop()
 
@@ -92,4 +94,16 @@ def laya_rss_growth(laya_deployment: Deployment) -> int:
 
 @pytest.fixture(scope="session")
 def laya_engine(laya_deployment: Deployment) -> Engine:
+    """The replica's engine; a check that needs it is a step-level backend's alone, and is
+    skipped, saying so, for an engine-level one (``kind = "engine"``)."""
+    if not laya_deployment.engines:
+        (config,) = laya_deployment.models.values()
+        pytest.skip(f"a step-level check: the {config.backend} backend is engine-level, so "
+                    "the core's engine, scheduler and KV pool it checks do not run")
     return laya_deployment.engines[0]
+
+
+@pytest.fixture(scope="session")
+def laya_client(laya_deployment: Deployment) -> EngineClient:
+    """The replica as the HTTP side sees it, whichever kind of backend serves it."""
+    return laya_deployment.clients[0]

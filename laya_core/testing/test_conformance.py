@@ -1,8 +1,11 @@
 """What every backend must do, checked on the backend named by ``--laya-backend``.
 
 Run by ``pytest -p laya_core.testing.plugin --pyargs laya_core.testing.test_conformance``
-(laya_core/testing/__init__.py). Each test drives the real engine, scheduler and cache
-policy of one replica through ``Engine.submit``, as the HTTP layer does.
+(laya_core/testing/__init__.py). The step-level tests (``laya_engine``) drive the real
+engine, scheduler and cache policy of one replica through ``Engine.submit``; an
+engine-level backend (``kind = "engine"``) has none of them, so they are skipped for it,
+saying why. The tests of the replica's ``EngineClient`` (``laya_client``, at the end) hold
+every backend to what the HTTP side relies on.
 """
 
 from __future__ import annotations
@@ -18,6 +21,12 @@ import pytest
 
 from laya_core.engine.allowed_tokens import AllowedTokens
 from laya_core.engine.engine import Engine
+from laya_core.replica.client import (
+    EngineClient,
+    GrammarError,
+    RequestTooLongError,
+    UnsupportedParameterError,
+)
 from laya_core.serving.deployment import Deployment
 from laya_core.types import FinishReason, SamplingParams, Usage
 
@@ -256,3 +265,94 @@ def test_no_kv_leaks_after_many_sequences(laya_engine: Engine) -> None:
 def test_the_suite_ran_on_a_real_model_file(laya_engine: Engine) -> None:
     path = laya_engine.config.path
     assert Path(path).exists(), path
+
+
+# -- every backend, through the EngineClient the HTTP side talks to ----------------------------
+
+
+@attrs.frozen
+class ClientRun:
+    texts: tuple[str, ...]
+    finish: FinishReason
+    usage: Usage
+    timing: Any
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+async def ask(client: EngineClient, text: str, params: SamplingParams,
+              constraint: Any = None, cancel_after_text: bool = False) -> ClientRun:
+    prompt = client.tokenizer().encode(text, add_special=True)
+    stream = await client.submit(prompt, params, constraint)
+    assert await stream.wait_admitted() is None
+    texts: list[str] = []
+    async for event in stream:
+        texts.append(event.text)
+        if cancel_after_text and event.text:
+            stream.cancel()
+        if event.finish_reason is not None:
+            assert event.usage is not None, event
+            return ClientRun(tuple(texts), event.finish_reason, event.usage, event.timing)
+    raise AssertionError("the stream ended without a finish reason")
+
+
+def served(client: EngineClient) -> None:
+    """The replica is up and runs nothing."""
+    state = client.state()
+    assert state.ready and state.num_running == 0, state
+
+
+def test_a_request_streams_its_text_and_ends_with_its_usage_and_timing(
+        laya_client: EngineClient) -> None:
+    out = asyncio.run(ask(laya_client, TEXTS[1], SamplingParams(max_tokens=8,
+                                                                  temperature=0.0)))
+    assert out.finish in (FinishReason.STOP, FinishReason.LENGTH) and out.text, out
+    assert out.usage.prompt_tokens > 0 and 1 <= out.usage.completion_tokens <= 8, out.usage
+    assert out.timing is not None
+    served(laya_client)
+
+
+def test_max_tokens_and_the_length_rule_hold(laya_client: EngineClient) -> None:
+    out = asyncio.run(ask(laya_client, TEXTS[0], SamplingParams(
+        max_tokens=5, temperature=0.0, ignore_eos=True)))
+    assert out.finish is FinishReason.LENGTH and out.usage.completion_tokens == 5, out
+    limit = laya_client.info().max_seq_len
+    with pytest.raises(RequestTooLongError):
+        asyncio.run(ask(laya_client, TEXTS[0], SamplingParams(max_tokens=limit)))
+    served(laya_client)
+
+
+def test_a_cancelled_request_ends_and_its_replica_serves_on(laya_client: EngineClient) -> None:
+    out = asyncio.run(ask(laya_client, TEXTS[1], SamplingParams(
+        max_tokens=200, temperature=0.0, ignore_eos=True), cancel_after_text=True))
+    assert out.finish is FinishReason.CANCELLED and out.usage.completion_tokens < 200, out
+    served(laya_client)
+    after = asyncio.run(ask(laya_client, TEXTS[1], SamplingParams(
+        max_tokens=3, temperature=0.0, ignore_eos=True)))
+    assert after.usage.completion_tokens == 3
+
+
+def test_a_json_schema_is_honoured_or_refused_naming_its_field(
+        laya_client: EngineClient) -> None:
+    """A backend applies structured output (the output parses and has the schema's shape,
+    or max_tokens cut it), or refuses it with an error naming the request's field."""
+    from laya_core.structured import formats
+
+    spec = formats.json_schema({"type": "object", "properties": {
+        "answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+        "additionalProperties": False}, "response_format")
+    try:
+        out = asyncio.run(ask(laya_client, TEXTS[1], SamplingParams(
+            max_tokens=40, temperature=0.0), spec))
+    except (UnsupportedParameterError, GrammarError) as e:
+        assert e.param == "response_format", e
+    else:
+        if out.finish is FinishReason.LENGTH:
+            assert out.text.lstrip().startswith("{"), out.text
+        else:
+            assert out.finish is FinishReason.STOP, out
+            assert json.loads(out.text)["answer"] in ("yes", "no"), out.text
+    served(laya_client)
+

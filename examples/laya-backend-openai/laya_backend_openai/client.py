@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import httpx
 
 from laya_backend_openai.text import CHAT_TEMPLATE, ByteTokenizer, upstream_request
@@ -294,6 +295,8 @@ class UpstreamClient(EngineBackendClient):
             self.add_layer_seconds(UPSTREAM, time.perf_counter() - started)
             if final is None:
                 final = TokenEvent("", (), FinishReason.ERROR, error="interrupted")
+            if final.usage is None:  # ended early: what arrived, as the engine counts it
+                final = attrs.evolve(final, usage=Usage(stream.num_prompt_tokens, pieces))
             reason = final.finish_reason or FinishReason.ERROR
             self.count_finished(reason, final.usage.completion_tokens if final.usage
                                 else pieces)
