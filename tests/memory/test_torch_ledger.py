@@ -1,5 +1,6 @@
 """The torch backend's ledger checked against reality: RSS, and its peaks, of a process that
-loads the embedded model in float32, bfloat16, int8 and int4 (torch_rss_stages.py)."""
+loads the embedded model in float32, bfloat16, int8 and int4 (torch_rss_stages.py), and its
+Hugging Face export (safetensors: the folder path) in int4."""
 
 from __future__ import annotations
 
@@ -23,16 +24,26 @@ DTYPES = {"float32": {"dtype": "float32", "n_threads": 1},
           # Dense: quantize "auto" would keep the file's int4 layers (the int4 case).
           "bfloat16": {"dtype": "bfloat16", "quantize": "none", "n_threads": 1},
           "int8": {"dtype": "bfloat16", "quantize": "int8", "n_threads": 1},
-          "int4": {"dtype": "bfloat16", "quantize": "int4", "n_threads": 1}}
+          "int4": {"dtype": "bfloat16", "quantize": "int4", "n_threads": 1},
+          "hf-int4": {"dtype": "bfloat16", "quantize": "int4", "n_threads": 1}}
 MIB = 2**20
 
 
 @pytest.fixture(scope="module")
-def reports() -> dict[str, dict[str, Any]]:
+def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """Every dtype's stages, measured in processes run side by side (each has its own RSS)."""
+    from laya_backend_torch.export import main as export_main
+
+    from laya_core.builtin.model_paths import embedded_file
+
+    folder = tmp_path_factory.mktemp("hf") / "smollm2"
+    assert export_main(["--dtype", "bfloat16", embedded_file("smollm2-135m-instruct"),
+                        str(folder)]) == 0
     script = Path(__file__).with_name("torch_rss_stages.py")
     runs = {name: subprocess.Popen(
-        [sys.executable, str(script), json.dumps({"models": [{**MODEL, "options": opts}]})],
+        [sys.executable, str(script), json.dumps({"models": [{
+            **MODEL, "options": opts, **({"path": str(folder)} if name.startswith("hf")
+                                         else {})}]})],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for name, opts in DTYPES.items()}
     out = {}

@@ -290,7 +290,11 @@ class _HFFolder:
             def read(name: str) -> torch.Tensor:
                 if (file := self.files[name]) not in handles:
                     handles[file] = stack.enter_context(safe_open(file, framework="pt"))
-                return handles[file].get_tensor(name)
+                # A copy of its own: safetensors hands out views of the file's mapping, and
+                # one kept as it is (a norm, an embedding already in the compute dtype) would
+                # keep the whole file mapped and resident after the load (measured: the
+                # file's size in RSS above the plan).
+                return handles[file].get_tensor(name).clone()
 
             for name in config.tensor_shapes():
                 if name in stored:

@@ -121,24 +121,31 @@ def packed_format(qc: Any, where: str) -> PackedFormat:
     return packed
 
 
+def _entries(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [rows, cols] -> uint8 [rows, cols, per_word]: each word's entries, entry k in
+    bits ``bits * k`` and up. Through the words' bytes (little-endian), so that nothing
+    wider than a byte an entry is made: a 7B model's largest matrix would otherwise pass
+    through 4-byte copies of every entry several times while it loads."""
+    data = words.contiguous().view(torch.uint8).view(*words.shape, 4)  # byte j: bits 8j..
+    if bits == 8:
+        return data
+    return torch.stack((data & 15, data >> 4), dim=-1).view(*words.shape, 8)
+
+
 def _unpack_rows(words: torch.Tensor, bits: int) -> torch.Tensor:
     """int32 [rows, cols] -> [rows * per_word, cols]: word row r holds rows per_word*r + k."""
-    per_word, mask = 32 // bits, (1 << bits) - 1
-    shifts = torch.arange(per_word, dtype=torch.int32) * bits
-    values = (words.to(torch.int32)[:, None, :] >> shifts[None, :, None]) & mask
-    return values.reshape(-1, words.shape[1]).to(torch.uint8)
+    values = _entries(words, bits)  # [rows, cols, per_word]
+    return values.permute(0, 2, 1).reshape(-1, words.shape[1])
 
 
 def _unpack_columns(words: torch.Tensor, bits: int,
                     order: Sequence[int] | None = None) -> torch.Tensor:
     """int32 [rows, cols] -> [rows, cols * per_word]: nibble k of word column c is column
     per_word*c + order[k] (order: 0, 1, 2, ... unless given)."""
-    per_word, mask = 32 // bits, (1 << bits) - 1
-    shifts = torch.arange(per_word, dtype=torch.int32) * bits
-    values = (words.to(torch.int32)[:, :, None] >> shifts[None, None, :]) & mask
+    values = _entries(words, bits)
     if order is not None:
         values = values[:, :, torch.argsort(torch.tensor(order))]
-    return values.reshape(words.shape[0], -1).to(torch.uint8)
+    return values.reshape(words.shape[0], -1)
 
 
 @attrs.frozen(eq=False)
