@@ -3,9 +3,10 @@ request checked and translated into the chat request it means (:func:`parse_mess
 
 The translation is the whole difference: the request then runs exactly as a chat completion
 (same template, same sampling), so greedy output equals ``/v1/chat/completions``'. A field
-that would change the output and is not implemented (``thinking``, server tools, an assistant
-prefill, image or document blocks: the models served are text-only) is refused with a 400
-naming it, never ignored. Results, stream events and errors are shaped back by
+that would change the output and is not implemented (``thinking``, server tools, image or
+document blocks: the models served are text-only) is refused with a 400 naming it, never
+ignored. A final assistant message is a prefill: the answer continues its text (the chat
+request's ``continue_final``). Results, stream events and errors are shaped back by
 :mod:`laya_core.http.anthropic_format`.
 """
 
@@ -174,10 +175,9 @@ def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
             out.append(_assistant(m["content"], f"messages[{i}].content"))
         else:
             raise invalid(f"messages[{i}].role", f"must be 'user' or 'assistant', got {role!r}")
-    if raw[-1].get("role") == "assistant":
-        raise invalid(f"messages[{len(raw) - 1}]", "a final assistant message (a prefill to "
-                      "continue) is not supported by this server yet; end with a user message",
-                      "unsupported_parameter")
+    if raw[-1].get("role") == "assistant" and out[-1].get("tool_calls"):
+        raise invalid(f"messages[{len(raw) - 1}].content", "a final assistant message (a "
+                      "prefill the model continues) must be text; a tool_use block ends a turn")
     return out
 
 
@@ -252,6 +252,8 @@ def parse_messages(body: Any, count_only: bool = False) -> ChatRequest:
         raise invalid("body", "the request body must be a JSON object", "invalid_type")
     _check_fields(body, _COUNT_FIELDS if count_only else _CREATE_FIELDS)
     chat: dict[str, Any] = {"model": body.get("model"), "messages": _messages(body)}
+    if chat["messages"][-1]["role"] == "assistant":  # a prefill: the answer continues it
+        chat["continue_final_message"] = True
     if not count_only:
         max_tokens = body.get("max_tokens")
         if max_tokens is None:
@@ -284,4 +286,6 @@ def parse_messages(body: Any, count_only: bool = False) -> ChatRequest:
     try:
         return parse_chat(chat)
     except APIError as e:
+        if e.param == "continue_final_message":
+            e.param = f"messages[{len(body['messages']) - 1}]"
         raise renamed(e) from None

@@ -171,10 +171,27 @@ def parse_chat(body: Any) -> ChatRequest:
         raise invalid("messages", "'messages' must be a non-empty array of messages", "missing")
     messages = tuple(_message(m, i) for i, m in enumerate(raw))
     use = _tool_use(b, common)
+    continue_final = b.get("continue_final_message", bool, False)
+    if continue_final:
+        check_prefill(messages, common, use, "continue_final_message")
     if use is not None:
         try:
             # A JSON format with tool_choice auto: call, or answer in it (call_grammar).
             common = attrs.evolve(common, constraint=call_grammar(use, answer=common.constraint))
         except GrammarError as e:
             raise invalid(e.param, str(e)) from None
-    return ChatRequest(common, messages, use)
+    return ChatRequest(common, messages, use, continue_final)
+
+
+def check_prefill(messages: tuple[dict[str, Any], ...], common: GenerationRequest,
+                  use: ToolUse | None, param: str) -> None:
+    """A conversation whose last message the model continues: that message the assistant's
+    text, and no constraint that would start from the beginning of the turn."""
+    last = messages[-1]
+    if last["role"] != "assistant" or not isinstance(last.get("content"), str) \
+            or last.get("tool_calls"):
+        raise invalid(param, "continuing the final message needs the last message to be "
+                      "the assistant's text")
+    if common.constraint is not None or (use is not None and use.forced):
+        raise invalid(param, "continuing the final message cannot go with a response "
+                      "format or a forced tool call: they constrain the turn from its start")

@@ -70,6 +70,9 @@ class ChatRequest:
     # tool_calls (arguments parsed, and as sent in raw_arguments), a tool's tool_call_id.
     messages: tuple[dict[str, Any], ...]
     tools: ToolUse | None = None  # None: no tools, or tool_choice "none"
+    # The last message is the assistant's unfinished turn, which the model continues (a
+    # prefill): vLLM's continue_final_message, and Anthropic's final assistant message.
+    continue_final: bool = False
 
 
 @attrs.frozen

@@ -88,14 +88,25 @@ def _check_prompt_logprobs(request: ChatRequest | CompletionRequest,
                       "cannot compute prompt log-probabilities", "unsupported_parameter")
 
 
+def chat_ids(deployment: Deployment, client: EngineClient, request: ChatRequest) -> list[int]:
+    """A chat request's prompt: the template's rendering, and with ``continue_final`` the
+    turn so far and then the text of the final (assistant) message, which the model
+    continues (as text: no control tokens). Blocking: call it from a worker thread."""
+    if not request.continue_final:
+        return deployment.chat_prompt(client, request.messages, tools=request.tools)
+    *before, last = request.messages
+    ids = deployment.chat_prompt(client, before, tools=request.tools)
+    return ids + client.tokenizer().encode(last["content"], add_special=False,
+                                           parse_special=False)
+
+
 def _prompts(deployment: Deployment, request: ChatRequest | CompletionRequest,
              client: EngineClient) -> list[tuple[list[int], str | None]]:
     """Token ids of each prompt, with its text (for echo). Blocking: rendering a chat
     template and tokenizing megabytes take time, so ``start`` runs this on a worker thread."""
     if isinstance(request, ChatRequest):
         try:
-            return [(deployment.chat_prompt(client, request.messages, tools=request.tools),
-                     None)]
+            return [(chat_ids(deployment, client, request), None)]
         except TemplateUnavailableError as e:  # the renderer, not the template: retry
             raise APIError(503, str(e), code="template_unavailable",
                            retry_after=QUEUE_RETRY_AFTER_S) from None

@@ -74,8 +74,7 @@ class MessageHandlers:
         req = await _parse(await json_body(request, self.deployment.manifest.server), True)
         client = client_for(self.deployment, req.common.model)
         try:
-            tokens = await asyncio.to_thread(self.deployment.chat_prompt, client,
-                                             req.messages, tools=req.tools)
+            tokens = await asyncio.to_thread(gen.chat_ids, self.deployment, client, req)
         except TemplateError as e:
             raise invalid("messages", str(e), "chat_template_error") from None
         except TemplateUnavailableError as e:

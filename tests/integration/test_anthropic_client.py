@@ -53,6 +53,40 @@ def test_create_equals_chat_completions_greedy(smollm_server: ServerProcess,
     assert counted.input_tokens == r.usage.prompt_tokens
 
 
+def test_a_prefill_is_continued_as_chat_continues_a_final_message(
+        smollm_server: ServerProcess, client: anthropic.Anthropic) -> None:
+    """A final assistant message is the start of the answer: the model continues it, and
+    the reply holds only what it wrote after it; chat completions' continue_final_message
+    (vLLM's) is the same request."""
+    prefill = [*MESSAGES, {"role": "assistant", "content": "The three colours are"}]
+    m = client.messages.create(model="smollm2", messages=prefill,  # type: ignore[arg-type]
+                               max_tokens=12, extra_body=GREEDY)
+    (block,) = m.content
+    assert block.text and not block.text.startswith("The three colours are")
+    with openai.OpenAI(base_url=f"{smollm_server.url}/v1", api_key="unused",
+                       max_retries=0) as chat:
+        r = chat.chat.completions.create(
+            model="smollm2", max_tokens=12, messages=prefill,  # type: ignore[arg-type]
+            extra_body={**GREEDY, "continue_final_message": True})
+        assert r.choices[0].message.content == block.text
+        plain = chat.chat.completions.create(model="smollm2", max_tokens=12,
+                                             messages=MESSAGES,  # type: ignore[arg-type]
+                                             extra_body=GREEDY)
+        assert plain.usage is not None and r.usage is not None
+        assert r.usage.prompt_tokens > plain.usage.prompt_tokens
+        with pytest.raises(openai.BadRequestError) as bad:  # nothing to continue
+            chat.chat.completions.create(model="smollm2", max_tokens=4, messages=MESSAGES,
+                                         extra_body={"continue_final_message": True})
+        assert bad.value.body["param"] == "continue_final_message"  # type: ignore[index]
+        with pytest.raises(openai.BadRequestError) as bad:  # a format starts the turn
+            chat.chat.completions.create(model="smollm2", max_tokens=4, messages=prefill,
+                                         response_format={"type": "json_object"},
+                                         extra_body={"continue_final_message": True})
+        assert bad.value.body["param"] == "continue_final_message"  # type: ignore[index]
+    counted = client.messages.count_tokens(model="smollm2", messages=prefill)  # type: ignore[arg-type]
+    assert counted.input_tokens == r.usage.prompt_tokens
+
+
 def test_stream_events_and_final_message(client: anthropic.Anthropic) -> None:
     whole = client.messages.create(model="smollm2", messages=MESSAGES, max_tokens=24,
                                    extra_body=GREEDY)

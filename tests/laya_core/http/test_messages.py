@@ -126,11 +126,23 @@ def test_errors_in_anthropic_shape(deployment: Deployment) -> None:
                                               "stop_sequences": [""]}),
                        400, "invalid_request_error")
     assert message.startswith("stop_sequences"), message
-    message = error_of(post(deployment, url, {"model": "toy", "max_tokens": 4,
-                                              "messages": [*HI, {"role": "assistant",
-                                                                 "content": "Sure"}]}),
-                       400, "invalid_request_error")
-    assert message.startswith("messages[1]"), message
+    # A final assistant message is a prefill the answer continues: its text ends the
+    # prompt (the toy's tokens are bytes), and only the continuation comes back.
+    prefill = [*HI, {"role": "assistant", "content": "Sure"}]
+    r = post(deployment, url, {"model": "toy", "max_tokens": 4, "messages": prefill})
+    assert r.status_code == 200, r.text
+    count = url.replace("/v1/messages", "/v1/messages/count_tokens")
+    with_prefill = post(deployment, count, {"model": "toy", "messages": prefill}).json()
+    without = post(deployment, count, {"model": "toy", "messages": HI}).json()
+    assert with_prefill["input_tokens"] > without["input_tokens"]
+    usage = r.json()["usage"]  # input_tokens: those not read from the prefix cache
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] \
+        == with_prefill["input_tokens"]
+    message = error_of(post(deployment, url, {"model": "toy", "max_tokens": 4, "messages": [
+        *HI, {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}]}),
+        400, "invalid_request_error")
+    assert message.startswith("messages[1].content"), message
     assert "model" in error_of(post(deployment, url, {"model": "nope", "max_tokens": 4,
                                                       "messages": HI}), 404, "not_found_error")
     for body in (None, [], {"model": "toy", "max_tokens": 4, "messages": [{"role": "x"}]},
