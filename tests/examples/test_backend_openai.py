@@ -216,18 +216,33 @@ def test_a_killed_upstream_ends_its_stream_and_the_other_serves_until_it_is_back
     assert all(r["state"] == "ready" for r in replicas(front.url)), replicas(front.url)
 
 
+# llama-cpp-python's server, with llama.cpp's repacked weight buffers off: on a CPU with AMX
+# they crash its first decode (a general protection fault in libggml-cpu, as llama-server's
+# do without --no-repack), and the server has no option for them.
+LLAMA_CPP_SERVER = """
+import sys
+import llama_cpp.llama_cpp as ll
+defaults = ll.llama_model_default_params
+def no_repack():
+    params = defaults()
+    params.use_extra_bufts = False
+    return params
+ll.llama_model_default_params = no_repack
+from llama_cpp.server.__main__ import main
+sys.argv[0] = "llama_cpp.server"
+main()
+"""
+
+
 def test_llama_cpp_pythons_server_is_an_upstream_too(tmp_path: Path) -> None:
-    try:
-        import llama_cpp.server.app  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"llama-cpp-python's server extras are not installed "
-                    f"(pip install 'llama-cpp-python[server]'): {e}")
+    """llama-cpp-python's OpenAI server (its server extra's packages are test
+    dependencies, pyproject.toml) behind the example."""
     from laya_core.builtin.model_paths import embedded_file
 
     port = free_port()
     log = (tmp_path / "llama_cpp_server.log").open("wb")
     upstream = subprocess.Popen(
-        [sys.executable, "-m", "llama_cpp.server", "--model",
+        [sys.executable, "-c", LLAMA_CPP_SERVER, "--model",
          embedded_file("smollm2-135m-instruct"), "--port", str(port), "--n_threads", "1",
          "--n_ctx", "1024"], stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -255,7 +270,7 @@ def test_llama_cpp_pythons_server_is_an_upstream_too(tmp_path: Path) -> None:
 # An upstream that refuses and stalls on request, for what a real server does only under
 # load: a 429 with its own Retry-After, and no answer at all.
 STUB = """
-import asyncio, sys
+import asyncio, socket, sys
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -276,15 +291,20 @@ async def chat(request):
 
 app = Starlette(routes=[Route("/v1/models", models),
                         Route("/v1/chat/completions", chat, methods=["POST"])])
-uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+# Its own port, bound here and then said: a port chosen before it starts could be taken by
+# another test's server in between, which would then answer in its place.
+sock = socket.socket()
+sock.bind(("127.0.0.1", 0))
+print(sock.getsockname()[1], flush=True)
+uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
 """
 
 
 def test_an_upstreams_refusals_and_silence_keep_their_meaning(tmp_path: Path) -> None:
-    port = free_port()
-    stub = subprocess.Popen([sys.executable, "-c", STUB, str(port)])
+    stub = subprocess.Popen([sys.executable, "-c", STUB], stdout=subprocess.PIPE, text=True)
     try:
-        url = f"http://127.0.0.1:{port}"
+        assert stub.stdout is not None
+        url = f"http://127.0.0.1:{int(stub.stdout.readline())}"
         front = FRONT.format(a=url, b=url).replace("replicas = 2", "replicas = 1").replace(
             'model = "smollm2"', 'model = "stub"').replace("timeout_s = 30", "timeout_s = 1")
         with serving(front, tmp_path) as server:
@@ -304,6 +324,8 @@ def test_an_upstreams_refusals_and_silence_keep_their_meaning(tmp_path: Path) ->
     finally:
         stub.kill()  # a graceful stop would wait for the request it never answers
         stub.wait(30)
+        if stub.stdout is not None:
+            stub.stdout.close()
 
 
 def test_a_deployment_in_code_serves_from_one_event_loop_after_another(
