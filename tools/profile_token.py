@@ -9,9 +9,9 @@ at each concurrency level keeps that many streamed chat completions in flight
 (``benchmark_serving.py``'s load) while it reads ``laya:engine_layer_seconds_total`` from
 ``/metrics`` every ``--sample-s``. The layers are laya_core/engine/layer_clock.py's:
 the engine thread's ``loop``, ``schedule``, ``prefill`` and ``backend`` (the model's compute
-with its sampling, in steps with and without a prompt chunk), ``detokenize``, ``deliver``
-and ``ipc_send`` (the worker's step message, sent from the engine thread); the front end's
-``ipc_receive`` and ``http``. Per generated token it prints each layer's mean milliseconds
+with its sampling, in steps with and without a prompt chunk), ``detokenize`` and
+``deliver``; the worker's ``ipc_send`` (its sender thread); the front end's ``ipc_receive``
+and ``http``. Per generated token it prints each layer's mean milliseconds
 (the level's sums over its tokens) and p50/p90 (over the sampling windows), the client's
 inter-token latency (ITL) divided by the tokens a step makes (1 at c=1), and the residue:
 that ITL share minus the measured layers but ``prefill`` (steps that feed a prompt, before a
@@ -43,7 +43,7 @@ import benchmark_serving as serving  # noqa: E402
 # The layers in a token's order, and the thread each runs on (one thread's layers never
 # overlap one another; different threads' do).
 LAYERS = {"loop": "engine", "schedule": "engine", "prefill": "engine", "backend": "engine",
-          "detokenize": "engine", "deliver": "engine", "ipc_send": "engine",
+          "detokenize": "engine", "deliver": "engine", "ipc_send": "worker",
           "ipc_receive": "front", "http": "front"}
 
 

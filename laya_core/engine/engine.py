@@ -25,7 +25,6 @@ from laya_core.engine.layer_clock import (
     BACKEND,
     DELIVER,
     DETOKENIZE,
-    IPC_SEND,
     LOOP,
     PREFILL,
     SCHEDULE,
@@ -313,15 +312,13 @@ class Engine:
         if not self._outbox:
             return
         start = now_ns()
-        sent = self.clock.ns[IPC_SEND]
         outbox, self._outbox = self._outbox, {}
         for loop, events in outbox.items():
             try:
                 loop.call_soon_threadsafe(deliver, events)
             except RuntimeError:  # the loop is closed: nobody is left to read these requests
                 pass
-        # A transport's courier sends on this thread and charges its ipc_send itself.
-        self.clock.add(DELIVER, start + self.clock.ns[IPC_SEND] - sent)
+        self.clock.add(DELIVER, start)
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply queued adds and cancels; returns False once asked to stop."""

@@ -16,12 +16,11 @@ calls, for ``laya:engine_layer_seconds_total`` (docs/metrics.md) and
   the end of a sequence) and its event built;
 - ``deliver``: the step's events handed to the event loop that sends them;
 - ``ipc_send``: a worker process's or Ray actor's step message (its snapshot, pickle,
-  socket write), sent from the engine thread as part of the hand-over (not counted in
-  ``deliver``);
+  socket write), on the worker's sender thread;
 - ``ipc_receive``: the front end's side of it (unpickle, and the events to their streams);
 - ``http``: each SSE chunk's JSON and its write to the connection.
 
-The first seven run on the engine thread one after another; the last two on other threads
+The first six run on the engine thread one after another; the last three on other threads
 and processes, beside the next step. A layer costs two ``perf_counter_ns`` calls and a list
 update per step or message (about 0.2 µs), so the clock is never off.
 """
