@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import attrs
 
-from laya_core.structured.tools import new_call_id
+from laya_core.structured.tools import JsonEnd, new_call_id
 
 Delta = tuple[str, Any]
 
@@ -174,9 +174,7 @@ class JsonCallParser(TriggeredParser):
     def __init__(self, syntax: JsonSyntax, call_id: Callable[[], str] = new_call_id) -> None:
         super().__init__(syntax.triggers, syntax.leading, call_id)
         self.syntax = syntax
-        self._depth = 0
-        self._in_string = False
-        self._escaped = False
+        self._json_end = JsonEnd()
         self._stage = "open"  # open, name, arguments, json, close, next
 
     def _open(self, trigger: str) -> None:
@@ -253,26 +251,12 @@ class JsonCallParser(TriggeredParser):
         """Pass the arguments' characters through until their object closes."""
         call = self._call
         assert call is not None
-        end = len(self._buffer)
-        for i, ch in enumerate(self._buffer):
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif ch == "\\":
-                    self._escaped = True
-                elif ch == '"':
-                    self._in_string = False
-            elif ch == '"':
-                self._in_string = True
-            elif ch in "{[":
-                self._depth += 1
-            elif ch in "}]":
-                self._depth -= 1
-                if self._depth == 0:
-                    end = i + 1
-                    call.done = True
-                    self._stage = "close"
-                    break
+        end = self._json_end.find(self._buffer)
+        if end is None:
+            end = len(self._buffer)
+        else:
+            call.done = True
+            self._stage = "close"
         piece, self._buffer = self._buffer[:end], self._buffer[end:]
         if not call.arguments:
             piece = piece.lstrip()

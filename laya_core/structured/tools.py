@@ -254,6 +254,36 @@ _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
 _ARGUMENTS_KEY = re.compile(r'\s*,\s*"arguments"\s*:\s*')
 
 
+class JsonEnd:
+    """Where a JSON object or array read a piece at a time closes: strings and their
+    escapes skipped, brackets counted, the state kept between pieces."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+
+    def find(self, text: str) -> int | None:
+        """The index just past the close in ``text``, or None when it has not come yet."""
+        for i, ch in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+        return None
+
+
 class ToolCallParser:
     """Splits generated text into content and tool calls, incrementally.
 
@@ -265,9 +295,7 @@ class ToolCallParser:
     def __init__(self) -> None:
         self._buffer = ""
         self._in_call: _Call | None = None
-        self._depth = 0
-        self._in_string = False
-        self._escaped = False
+        self._json_end = JsonEnd()
         self._calls: list[_Call] = []
 
     @property
@@ -339,25 +367,11 @@ class ToolCallParser:
     def _arguments(self, out: list[tuple[str, Any]]) -> None:
         """Pass the arguments' characters through until their object closes."""
         assert self._in_call is not None
-        end = len(self._buffer)
-        for i, ch in enumerate(self._buffer):
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif ch == "\\":
-                    self._escaped = True
-                elif ch == '"':
-                    self._in_string = False
-            elif ch == '"':
-                self._in_string = True
-            elif ch in "{[":
-                self._depth += 1
-            elif ch in "}]":
-                self._depth -= 1
-                if self._depth == 0:
-                    end = i + 1
-                    self._in_call.done = True
-                    break
+        end = self._json_end.find(self._buffer)
+        if end is None:
+            end = len(self._buffer)
+        else:
+            self._in_call.done = True
         piece, self._buffer = self._buffer[:end], self._buffer[end:]
         if not self._in_call.arguments:
             piece = piece.lstrip()
