@@ -244,7 +244,10 @@ def test_llama_cpp_pythons_server_is_an_upstream_too(tmp_path: Path) -> None:
     upstream = subprocess.Popen(
         [sys.executable, "-c", LLAMA_CPP_SERVER, "--model",
          embedded_file("smollm2-135m-instruct"), "--port", str(port), "--n_threads", "1",
-         "--n_ctx", "1024"], stdout=log, stderr=subprocess.STDOUT)
+         "--n_ctx", "1024",
+         # By default it cuts a stream short when any other request comes, and GET
+         # /v1/models (the example's health check) is one: under load one landed mid-stream.
+         "--interrupt_requests", "False"], stdout=log, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
