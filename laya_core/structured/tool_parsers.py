@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import attrs
 
-from laya_core.structured.tools import JsonEnd, new_call_id
+from laya_core.structured.call_parts import Call, CallList, JsonEnd, new_call_id, partial_suffix
 
 Delta = tuple[str, Any]
 
@@ -43,18 +43,7 @@ class CallParser(Protocol):
     def finish(self) -> list[Delta]: ...
 
 
-@attrs.define
-class _Call:
-    index: int
-    id: str
-    raw: str  # the text read since its trigger, until its name is complete
-    name: str | None = None
-    opened: bool = False  # its arguments began
-    arguments: list[str] = attrs.field(factory=list)
-    done: bool = False  # its arguments closed
-
-
-class TriggeredParser:
+class TriggeredParser(CallList):
     """Text, triggers and calls: what every family shares. A subclass reads one call from
     ``self._buffer`` (:meth:`_step`, False while it needs more text) after :meth:`_open`
     saw its trigger."""
@@ -65,19 +54,9 @@ class TriggeredParser:
         self._call_id = call_id
         self._leading = leading  # a trigger only at the output's start (after whitespace)
         self._started = not leading
+        super().__init__()
         self._buffer = ""
-        self._call: _Call | None = None
-        self._calls: list[_Call] = []
-
-    @property
-    def calls(self) -> list[dict[str, Any]]:
-        return [{"id": c.id, "type": "function",
-                 "function": {"name": c.name, "arguments": "".join(c.arguments)}}
-                for c in self._calls if c.name is not None]
-
-    @property
-    def complete(self) -> bool:
-        return all(c.done for c in self._calls if c.name is not None)
+        self._call: Call | None = None
 
     def feed(self, text: str) -> list[Delta]:
         self._buffer += text
@@ -120,7 +99,7 @@ class TriggeredParser:
                 return True
         found = [(at, t) for t in self._triggers if (at := self._buffer.find(t)) >= 0]
         if not found:
-            keep = max(_partial_suffix(self._buffer, t) for t in self._triggers)
+            keep = max(partial_suffix(self._buffer, t) for t in self._triggers)
             self._content(self._buffer[: len(self._buffer) - keep], out)
             self._buffer = self._buffer[len(self._buffer) - keep:]
             return False
@@ -131,7 +110,7 @@ class TriggeredParser:
         return True
 
     def _open(self, trigger: str) -> None:
-        self._call = _Call(len(self._calls), self._call_id(), trigger)
+        self._call = Call(len(self._calls), self._call_id(), trigger)
         self._calls.append(self._call)
 
     def _named(self, name: str, consumed: int, out: list[Delta]) -> None:
@@ -261,11 +240,3 @@ class JsonCallParser(TriggeredParser):
         if not call.arguments:
             piece = piece.lstrip()
         self._argument(piece, out)
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """The length of the longest end of ``text`` that begins ``marker``."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0

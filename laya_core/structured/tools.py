@@ -36,12 +36,18 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from laya_core.structured.call_parts import (  # noqa: F401 - new_call_id, JsonEnd: here too
+    Call,
+    CallList,
+    JsonEnd,
+    new_call_id,
+    partial_suffix,
+)
 from laya_core.structured.formats import (
     closed_schema,
     json_options,
@@ -236,55 +242,11 @@ def prompt_messages(messages: Sequence[Mapping[str, Any]], use: ToolUse | None,
     return [dict(m) for m in messages], None
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-@attrs.define
-class _Call:
-    index: int
-    id: str
-    name: str | None = None
-    opened: bool = False  # its '"arguments":' key was read
-    arguments: list[str] = attrs.field(factory=list)
-    done: bool = False  # its arguments' object closed
-
-
 _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
 _ARGUMENTS_KEY = re.compile(r'\s*,\s*"arguments"\s*:\s*')
 
 
-class JsonEnd:
-    """Where a JSON object or array read a piece at a time closes: strings and their
-    escapes skipped, brackets counted, the state kept between pieces."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.in_string = False
-        self.escaped = False
-
-    def find(self, text: str) -> int | None:
-        """The index just past the close in ``text``, or None when it has not come yet."""
-        for i, ch in enumerate(text):
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif ch == "\\":
-                    self.escaped = True
-                elif ch == '"':
-                    self.in_string = False
-            elif ch == '"':
-                self.in_string = True
-            elif ch in "{[":
-                self.depth += 1
-            elif ch in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    return i + 1
-        return None
-
-
-class ToolCallParser:
+class ToolCallParser(CallList):
     """Splits generated text into content and tool calls, incrementally.
 
     :meth:`feed` takes the next piece of text and returns the deltas it completes: ``("content",
@@ -293,23 +255,10 @@ class ToolCallParser:
     """
 
     def __init__(self) -> None:
+        super().__init__()
         self._buffer = ""
-        self._in_call: _Call | None = None
+        self._in_call: Call | None = None
         self._json_end = JsonEnd()
-        self._calls: list[_Call] = []
-
-    @property
-    def calls(self) -> list[dict[str, Any]]:
-        """The calls whose name is complete, in OpenAI's message shape; a call cut short has
-        the arguments generated so far (see :attr:`complete`)."""
-        return [{"id": c.id, "type": "function",
-                 "function": {"name": c.name, "arguments": "".join(c.arguments)}}
-                for c in self._calls if c.name is not None]
-
-    @property
-    def complete(self) -> bool:
-        """Whether every call's arguments closed: no call was cut short."""
-        return all(c.done for c in self._calls if c.name is not None)
 
     def feed(self, text: str) -> list[tuple[str, Any]]:
         self._buffer += text
@@ -330,7 +279,7 @@ class ToolCallParser:
     def _text(self, out: list[tuple[str, Any]]) -> bool:
         at = self._buffer.find(OPEN)
         if at < 0:
-            keep = _partial_suffix(self._buffer, OPEN)
+            keep = partial_suffix(self._buffer, OPEN)
             text, self._buffer = self._buffer[: len(self._buffer) - keep], \
                 self._buffer[len(self._buffer) - keep:]
             # Blank lines between calls are layout, not content.
@@ -341,7 +290,7 @@ class ToolCallParser:
         if text and not (self._calls and not text.strip()):
             out.append(("content", text))
         self._buffer = self._buffer[at + len(OPEN):]
-        self._in_call = _Call(len(self._calls), new_call_id())
+        self._in_call = Call(len(self._calls), new_call_id())
         self._calls.append(self._in_call)
         return True
 
@@ -402,11 +351,3 @@ class ToolCallParser:
             out.append(("content", self._buffer))
         self._buffer = ""
         return out
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """The length of the longest end of ``text`` that begins ``marker``."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
