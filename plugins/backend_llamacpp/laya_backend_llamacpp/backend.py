@@ -21,7 +21,6 @@ from laya_backend_llamacpp import cpu, loading, memory, sampling
 from laya_backend_llamacpp.embedder import Embedder
 from laya_backend_llamacpp.llama_log import LLAMA_LOG
 from laya_backend_llamacpp.memory import (
-    SCORE_BLOCK_ROWS,
     embed_batch_tokens,
     flash_attention,
     kv_layout,
@@ -275,25 +274,13 @@ class LlamaCppBackend(Backend):
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc} for a batch of {n} tokens")
         # Before the next pass overwrites the logits.
-        scores = {i: self._score(items[i], row) for i, row in scored}
+        scores = {i: sampling.score_targets(
+            lambda row: self._ll.llama_get_logits_ith(self._ctx, row), self._n_vocab, row,
+            items[i].score_targets, items[i].score_top) for i, row in scored}
         for i, row in rows:
             out[i] = self._sample(items[i], row, scores.pop(i, ()))
         for i, item_scores in scores.items():
             out[i] = StepResult(None, item_scores)
-
-    def _score(self, item: StepItem, first_row: int) -> tuple[Sample, ...]:
-        """The scores of ``item.score_targets``, from rows ``first_row ..`` of the batch."""
-        targets = item.score_targets
-        block = np.empty((min(SCORE_BLOCK_ROWS, len(targets)), self._n_vocab), np.float64)
-        out: list[Sample] = []
-        for start in range(0, len(targets), SCORE_BLOCK_ROWS):
-            part = targets[start:start + SCORE_BLOCK_ROWS]
-            for k in range(len(part)):
-                block[k] = np.ctypeslib.as_array(
-                    self._ll.llama_get_logits_ith(self._ctx, first_row + start + k),
-                    shape=(self._n_vocab,))
-            out += sampling.score_rows(block[:len(part)], part, item.score_top)
-        return tuple(out)
 
     def _decode(self, batch: Any) -> int:
         if self._governor is None:
@@ -338,10 +325,13 @@ class LlamaCppBackend(Backend):
 
     def _copy_stream(self, src_slot: int, dst_slot: int) -> None:
         """Replace ``dst_slot``'s KV with a copy of ``src_slot``'s, applied before returning."""
-        buf = self._stream_state(src_slot)
-        if not self._ll.llama_state_seq_set_data(self._ctx, _u8(buf), buf.nbytes, dst_slot):
-            raise RuntimeError(f"llama.cpp could not copy the KV of slot {src_slot} "
-                               f"into slot {dst_slot}")
+        self._load_stream(self._stream_state(src_slot), dst_slot,
+                          f"copy the KV of slot {src_slot} into slot {dst_slot}")
+
+    def _load_stream(self, buf: np.ndarray, slot: int, what: str) -> None:
+        """``slot``'s KV from ``buf``, in llama.cpp's state format (llama_state_seq_set_data)."""
+        if not self._ll.llama_state_seq_set_data(self._ctx, _u8(buf), buf.nbytes, slot):
+            raise RuntimeError(f"llama.cpp could not {what}")
 
     def _stream_state(self, slot: int) -> np.ndarray:
         """``slot``'s KV in llama.cpp's state format (llama_state_seq_get_data)."""
@@ -365,9 +355,7 @@ class LlamaCppBackend(Backend):
     def restore_stream(self, key: int, slot: int, num_tokens: int) -> None:
         """Put saved KV ``key`` into the empty ``slot`` and keep its first ``num_tokens``;
         the bytes are llama.cpp's own, so the KV is what a fresh prefill computed."""
-        buf = self._saved.pop(key)
-        if not self._ll.llama_state_seq_set_data(self._ctx, _u8(buf), buf.nbytes, slot):
-            raise RuntimeError(f"llama.cpp could not restore saved KV into slot {slot}")
+        self._load_stream(self._saved.pop(key), slot, f"restore saved KV into slot {slot}")
         self._ll.llama_memory_seq_rm(self._mem, slot, num_tokens, -1)
 
     def forget_saved(self, key: int) -> None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from laya_core.engine.allowed_tokens import AllowedTokens
 from laya_core.types import Sample, SamplingParams
+
+from laya_backend_llamacpp.memory import SCORE_BLOCK_ROWS
 
 _RANDOM_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: llama.cpp draws a random seed
 
@@ -118,3 +121,19 @@ def score_rows(logits: Any, targets: Any, top: int) -> tuple[Sample, ...]:
     logprobs = (chosen - log_total).tolist()
     return tuple(Sample(int(t), lp, b, rank=int(r)) for t, lp, b, r
                  in zip(targets, logprobs, best, ranks.tolist(), strict=True))
+
+
+def score_targets(row_logits: Callable[[int], Any], n_vocab: int, first_row: int,
+                  targets: Sequence[int], top: int) -> tuple[Sample, ...]:
+    """The scores of ``targets`` (a prompt's tokens), from batch rows ``first_row ..``:
+    ``row_logits(row)`` is that row's float32 pointer (llama_get_logits_ith). Blocks of
+    ``SCORE_BLOCK_ROWS`` rows bound the float64 copies (rows x vocab x 8 B)."""
+    block = np.empty((min(SCORE_BLOCK_ROWS, len(targets)), n_vocab), np.float64)
+    out: list[Sample] = []
+    for start in range(0, len(targets), SCORE_BLOCK_ROWS):
+        part = targets[start:start + SCORE_BLOCK_ROWS]
+        for k in range(len(part)):
+            block[k] = np.ctypeslib.as_array(row_logits(first_row + start + k),
+                                             shape=(n_vocab,))
+        out += score_rows(block[:len(part)], part, top)
+    return tuple(out)
