@@ -142,8 +142,14 @@ def test_a_folder_missing_or_misshaping_a_packed_tensor_names_it(tmp_path: Path,
             for t, shape in fmt.tensor_shapes(name, out, n_in).items():
                 tensors[t] = torch.zeros(shape, dtype=torch.int32 if "scales" not in t
                                          else torch.float16)
+    # Every g_idx zero: all inputs in one group, which no kernel layout holds; named at load.
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.q_proj: .*"
+                                              r"group_size inputs"):
+        list(open_checkpoint(str(folder)).tensors())
     tensors["model.layers.3.mlp.up_proj.scales"] = torch.zeros(5, 5, dtype=torch.float16)
     save_file(tensors, folder / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"model\.layers\.3\.mlp\.up_proj\.scales has "
                                               r"shape \[5, 5\]"):
         open_checkpoint(str(folder))
+

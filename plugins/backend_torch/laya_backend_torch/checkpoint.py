@@ -303,7 +303,13 @@ class _HFFolder:
                 assert self.packed is not None
                 base = name.removesuffix(".weight")
                 parts = {n: read(n) for n in stored if n.startswith(base + ".")}
-                yield name, self.packed.unpack(parts, base)
+                matrix = self.packed.unpack(parts, base)
+                try:
+                    matrix.grouped_inputs()
+                except ValueError as e:
+                    raise CheckpointError(f"{self.files[base + '.qweight']}: {base}: {e}; "
+                                          "each group must hold group_size inputs") from None
+                yield name, matrix
 
 
 def _weight_files(folder: Path) -> list[Path]:

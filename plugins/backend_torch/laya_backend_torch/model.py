@@ -177,8 +177,11 @@ class LlamaModel:
         bias = None
         if self.config.attention_bias:
             bias = torch.cat([t[f"self_attn.{x}_proj.bias"] for x in "qkv"])
-        qkv = _stacked([t[f"self_attn.{x}_proj.weight"] for x in "qkv"])
-        gate_up = _stacked([t["mlp.gate_proj.weight"], t["mlp.up_proj.weight"]])
+        try:
+            qkv = _stacked([t[f"self_attn.{x}_proj.weight"] for x in "qkv"])
+            gate_up = _stacked([t["mlp.gate_proj.weight"], t["mlp.up_proj.weight"]])
+        except ValueError as e:  # packed projections sharing an input, grouped unalike
+            raise ValueError(f"{p}: {e}; this backend fuses q/k/v and gate/up") from None
         dt, dev = self.dtype, self.device
         return Layer(self._dense(t["input_layernorm.weight"]), kind.of(qkv, bias, dt, dev),
                      kind.of(t["self_attn.o_proj.weight"], None, dt, dev),
