@@ -11,6 +11,7 @@ import mmap
 import shutil
 import struct
 from pathlib import Path
+from typing import Any
 
 from laya_core.builtin.model_paths import embedded_file
 
@@ -113,3 +114,14 @@ def with_metadata(src: Path, dst: Path, key: str, value: object, kind: str = "u3
             out.write(header + b"\0" * (-len(header) % _ALIGNMENT))
             out.write(buf[data_start:])
     return dst
+
+
+def small_llama(**changes: Any) -> dict[str, Any]:
+    """The metadata of a two-layer Llama as the header checks read it (a key set to None is
+    left out), for tests of those checks without a file."""
+    meta: dict[str, Any] = {
+        "general.architecture": "llama", "llama.block_count": 2, "llama.context_length": 64,
+        "llama.embedding_length": 8, "llama.attention.head_count": 2,
+        "tokenizer.ggml.tokens": 10}
+    meta.update(changes)
+    return {k: v for k, v in meta.items() if v is not None}

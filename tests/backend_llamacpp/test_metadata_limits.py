@@ -42,21 +42,12 @@ def test_what_llama_cpp_would_abort_on_is_its_plugins_to_refuse(
     assert refused.value.key == "models[0].path" and said in refused.value.message
 
 
-def small_llama(**changes: Any) -> dict[str, Any]:
-    meta: dict[str, Any] = {
-        "general.architecture": "llama", "llama.block_count": 2, "llama.context_length": 64,
-        "llama.embedding_length": 8, "llama.attention.head_count": 2,
-        "tokenizer.ggml.tokens": 10}
-    meta.update(changes)
-    return {k: v for k, v in meta.items() if v is not None}
-
-
 @pytest.mark.parametrize(("changes", "said"), [
     ({"llama.block_count": LLAMA_MAX_LAYERS + 1}, "llama.block_count is 513; llama.cpp needs 1 to 512"),
     ({"llama.attention.layer_norm_epsilon": True}, "layer_norm_epsilon is True"),
 ])
 def test_llama_cpp_limits(changes: dict[str, Any], said: str) -> None:
-    meta = small_llama(**changes)
+    meta = hg.small_llama(**changes)
     check_metadata(meta, {})  # sound for the core
     with pytest.raises(ModelFileError) as info:
         check_limits(meta)

@@ -92,15 +92,6 @@ def test_an_edited_copy_with_sound_values_still_reads(tmp_path: Path) -> None:
     assert read_shape(path).head_dim_k == 64
 
 
-def small_llama(**changes: Any) -> dict[str, Any]:
-    meta: dict[str, Any] = {
-        "general.architecture": "llama", "llama.block_count": 2, "llama.context_length": 64,
-        "llama.embedding_length": 8, "llama.attention.head_count": 2,
-        "tokenizer.ggml.tokens": 10}
-    meta.update(changes)
-    return {k: v for k, v in meta.items() if v is not None}
-
-
 @pytest.mark.parametrize(("changes", "said"), [
     ({"llama.attention.head_count": [2, 2, 2]}, "head_count has 3 entries; block_count is 2"),
     ({"llama.attention.head_count": [0, 0]}, "head_count is 0 in every layer"),
@@ -113,12 +104,12 @@ def small_llama(**changes: Any) -> dict[str, Any]:
 ])
 def test_check_metadata_limits(changes: dict[str, Any], said: str) -> None:
     with pytest.raises(ModelFileError) as info:
-        check_metadata(small_llama(**changes), {})
+        check_metadata(hg.small_llama(**changes), {})
     assert said in str(info.value)
 
 
 def test_check_metadata_passes_a_sound_model_with_per_layer_heads() -> None:
-    meta = small_llama(**{"llama.attention.head_count": [2, 0],
+    meta = hg.small_llama(**{"llama.attention.head_count": [2, 0],
                           "llama.attention.head_count_kv": [1, 0]})
     assert check_metadata(meta, {"blk.0.attn_q.weight": [8, 8], "blk.1.ssm.weight": [8]}) == (
         "llama")
