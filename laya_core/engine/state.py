@@ -34,6 +34,11 @@ class QueueFullError(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
+class QueueTimeoutError(EngineUnavailableError):
+    """A request waited ``queue_timeout_s`` for a place to run and got none (an
+    engine-level backend's admission, :mod:`laya_core.replica.engine_backend`)."""
+
+
 class UnsupportedParameterError(ValueError):
     """A request field this replica's backend cannot honour (an engine-level backend that
     takes no output constraint, no log-probabilities): the HTTP side answers 400 naming

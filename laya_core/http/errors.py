@@ -16,6 +16,7 @@ from laya_core.replica.client import (
     EngineUnavailableError,
     GrammarError,
     QueueFullError,
+    QueueTimeoutError,
     RequestTooLongError,
     UnsupportedParameterError,
 )
@@ -102,6 +103,9 @@ def refusal(e: BaseException, too_long_param: str) -> APIError | None:
     if isinstance(e, QueueFullError):
         return APIError(429, str(e), code="queue_full",
                         retry_after=e.retry_after_s or QUEUE_RETRY_AFTER_S)
+    if isinstance(e, QueueTimeoutError):
+        return APIError(503, f"no room for this request: {e}; retry later",
+                        code="queue_timeout", retry_after=QUEUE_RETRY_AFTER_S)
     if isinstance(e, EngineUnavailableError):  # stopped or failed since routing: shutting down
         return APIError(503, f"{e}; retry later", code="not_ready",
                         retry_after=e.retry_after_s or QUEUE_RETRY_AFTER_S)

@@ -32,6 +32,7 @@ from laya_core.engine.state import (
     EngineState,
     EngineUnavailableError,
     QueueFullError,
+    QueueTimeoutError,
     UnsupportedParameterError,
 )
 from laya_core.engine.stream import GenerationStream
@@ -43,7 +44,7 @@ from laya_core.types import FinishReason, SamplingParams
 
 __all__ = ["EngineClient", "EngineState", "EngineUnavailableError", "GrammarError",
            "LocalEngineClient",
-           "QueueFullError", "ReplicaInfo", "ReplicaSnapshot", "RequestTooLongError",
+           "QueueFullError", "QueueTimeoutError", "ReplicaInfo", "ReplicaSnapshot", "RequestTooLongError",
            "UnsupportedParameterError"]
 
 

@@ -16,8 +16,16 @@ inside is the backend's:
 - :class:`EngineBackendClient` is that client's base: it runs the replica's lifecycle on a
   thread of its own (``load`` until it succeeds, then ``check`` every
   ``health_interval_s``; a failure marks the replica down, so the router sends its requests
-  to the others, and the next success brings it back), keeps the counters ``/ready`` and
-  ``/metrics`` read, and leaves ``submit``, ``cancel`` and the tokenizer to the backend.
+  to the others, and the next success brings it back), admits requests within the
+  manifest's limits (:meth:`EngineBackendClient.wait_for_room`), keeps the counters
+  ``/ready`` and ``/metrics`` read, and leaves ``submit``, ``cancel`` and the tokenizer to
+  the backend.
+
+The manifest's limits hold as they do for a step-level model: at most ``max_num_seqs``
+requests run on a replica at once (unset: ``default_max_running``, None for as many as the
+engine takes, whose own queue or refusals then decide), at most ``max_queue`` more wait for
+a place, in arrival order, one more is refused with 429 ``queue_full``, and one that waited
+``queue_timeout_s`` gets 503 ``queue_timeout``. The wait shows as the request's queue time.
 
 The HTTP side still hands ``submit`` token ids: a backend whose server takes text gives the
 front end a tokenizer whose ids are the text's UTF-8 bytes, and decodes them back
@@ -27,9 +35,11 @@ front end a tokenizer whose ids are the text's UTF-8 bytes, and decodes them bac
 from __future__ import annotations
 
 import abc
+import asyncio
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -39,6 +49,8 @@ from laya_core.replica.client import (
     EngineClient,
     EngineState,
     EngineUnavailableError,
+    QueueFullError,
+    QueueTimeoutError,
     ReplicaInfo,
     ReplicaSnapshot,
 )
@@ -47,6 +59,11 @@ from laya_core.types import FinishReason, SamplingParams
 __all__ = ["EngineBackend", "EngineBackendClient"]
 
 log = logging.getLogger(__name__)
+
+
+def _grant(place: asyncio.Future[None]) -> None:
+    if not place.done():
+        place.set_result(None)
 
 
 class EngineBackend(Backend):
@@ -96,15 +113,20 @@ class EngineBackendClient(EngineClient):
 
     A subclass implements ``load`` (reach the engine or server, return what it serves),
     ``tokenizer``, ``submit`` and ``cancel``, and may override ``check`` (the health check;
-    the default loads again) and ``close``. ``submit`` runs on the event loop: it makes a
-    stream with :meth:`new_stream`, puts ``ADMITTED`` (``laya_core.engine.stream``) on it
-    once the request runs and then :class:`~laya_core.types.TokenEvent` objects, the last
-    with its finish reason, ``Usage`` and ``Timing``; it counts with :meth:`count_started`
-    and :meth:`count_finished`, and calls :meth:`mark_down` when the engine is lost (its
+    the default loads again) and ``close``. ``submit`` runs on the event loop: it checks the
+    request, awaits :meth:`wait_for_room` (a place among the replica's running requests),
+    makes a stream with :meth:`new_stream`, puts ``ADMITTED`` (``laya_core.engine.stream``)
+    on it once the request runs and then :class:`~laya_core.types.TokenEvent` objects, the
+    last with its finish reason, ``Usage`` and ``Timing``. Each place taken is given back
+    once: :meth:`count_finished` when the request ran, :meth:`give_back_room` when it did
+    not (the engine refused it). It calls :meth:`mark_down` when the engine is lost (its
     requests then end with ``replica_lost`` events: an error event mid-stream, a 503 with
     Retry-After before one)."""
 
     health_interval_s: float = 2.0
+    # Requests a replica runs at once when the manifest sets no max_num_seqs; None: as
+    # many as the engine takes.
+    default_max_running: int | None = None
 
     def __init__(self, config: Any, replica_id: int) -> None:
         super().__init__(config.name, replica_id)
@@ -118,7 +140,8 @@ class EngineBackendClient(EngineClient):
         self._ready = threading.Event()
         self._lock = threading.Lock()  # guards the counters
         self.restarts = 0  # times the replica came back after it was marked down
-        self._running = 0
+        self._running = 0  # places taken (wait_for_room) and not yet given back
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._generated = 0
         self._finished: collections.Counter[FinishReason] = collections.Counter()
         self._rejections: collections.Counter[str] = collections.Counter()
@@ -156,15 +179,70 @@ class EngineBackendClient(EngineClient):
         """A request's stream; its ``cancel()`` calls this client's ``cancel``."""
         return GenerationStream(request_id, num_prompt_tokens, self.cancel)
 
-    def count_started(self) -> None:
+    def max_running(self) -> int | None:
+        """Requests this replica runs at once; None: no limit of Laya's."""
+        return self.config.max_num_seqs or self.default_max_running
+
+    async def wait_for_room(self) -> float:
+        """Take a place among the replica's running requests, waiting in arrival order behind
+        at most ``max_queue`` others for up to ``queue_timeout_s``; the seconds waited.
+
+        Raises :class:`QueueFullError` (429) when the queue is full or ``max_queue`` is 0
+        and no place is free, :class:`QueueTimeoutError` (503) when the wait ran out. A
+        request cancelled while it waits leaves the queue."""
+        limit = self.max_running()
         with self._lock:
-            self._running += 1
+            if limit is None or (self._running < limit and not self._waiters):
+                self._running += 1
+                return 0.0
+            if len(self._waiters) >= self.config.max_queue:
+                self._rejections["queue_full"] += 1
+                raise QueueFullError(
+                    f"{self.model} replica {self.replica_id} runs {limit} requests "
+                    f"(max_num_seqs) and {len(self._waiters)} wait (max_queue "
+                    f"{self.config.max_queue})")
+            place: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.append(place)
+        start = time.perf_counter()
+        try:
+            await asyncio.wait_for(place, self.config.queue_timeout_s)
+        except TimeoutError:
+            with self._lock:
+                handed = place not in self._waiters  # a place came as the wait ran out
+                if not handed:
+                    self._waiters.remove(place)
+                    self._rejections["queue_timeout"] += 1
+            if not handed:
+                raise QueueTimeoutError(
+                    f"waited {self.config.queue_timeout_s:g} s for one of {limit} places "
+                    f"(max_num_seqs) on {self.model} replica {self.replica_id}") from None
+        except BaseException:  # cancelled: leave the queue, or pass on a place just handed
+            with self._lock:
+                handed = place not in self._waiters
+                if not handed:
+                    self._waiters.remove(place)
+            if handed:
+                self.give_back_room()
+            raise
+        return time.perf_counter() - start
+
+    def give_back_room(self) -> None:
+        """Return a place :meth:`wait_for_room` took for a request that did not run: the
+        first in line takes it. (:meth:`count_finished` returns a finished request's.)"""
+        with self._lock:
+            if self._waiters:  # handed on: the count of places taken stays
+                place = self._waiters.popleft()
+            else:
+                self._running -= 1
+                return
+        place.get_loop().call_soon_threadsafe(_grant, place)
 
     def count_finished(self, reason: FinishReason, completion_tokens: int) -> None:
+        """A request that took a place finished (for any reason); it gives the place back."""
         with self._lock:
-            self._running -= 1
             self._finished[reason] += 1
             self._generated += completion_tokens
+        self.give_back_room()
 
     def count_rejected(self, reason: str) -> None:
         with self._lock:
@@ -249,7 +327,8 @@ class EngineBackendClient(EngineClient):
         with self._lock:
             return ReplicaSnapshot(
                 model=self.model, replica_id=self.replica_id, state=self._state,
-                error=self._error, num_running=self._running, num_waiting=0,
+                error=self._error, num_running=self._running,
+                num_waiting=len(self._waiters),
                 kv_capacity_tokens=0, kv_used_tokens=0, kv_cached_tokens=0,
                 prefix_queried_tokens=0, prefix_tokens_reused=0, prefix_hits=0,
                 finished=dict(self._finished), rejections=dict(self._rejections),

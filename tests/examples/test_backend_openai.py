@@ -8,6 +8,8 @@ constraints are refused with a 400 naming their field."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import json
 import re
 import subprocess
@@ -273,20 +275,37 @@ def test_llama_cpp_pythons_server_is_an_upstream_too(tmp_path: Path) -> None:
 # An upstream that refuses and stalls on request, for what a real server does only under
 # load: a 429 with its own Retry-After, and no answer at all.
 STUB = """
-import asyncio, socket, sys
+import asyncio, json, socket, sys
 from starlette.applications import Starlette
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 import uvicorn
 
 async def models(request):
     return JSONResponse({"object": "list", "data": [{"id": "stub", "object": "model"}]})
 
+def chunk(delta, finish=None, usage=None):
+    return "data: " + json.dumps({"choices": [{"index": 0, "delta": delta,
+                                               "finish_reason": finish}],
+                                  "usage": usage}) + "\\n\\n"
+
+async def slowly(seconds):  # a piece every 0.1 s for that long
+    for _ in range(max(1, int(seconds * 10))):
+        yield chunk({"content": "a"})
+        await asyncio.sleep(0.1)
+    yield chunk({}, "stop", {"prompt_tokens": 1, "completion_tokens": 1})
+    yield "data: [DONE]\\n\\n"
+
 async def chat(request):
     said = (await request.json())["messages"][-1]["content"]
+    if said.startswith("slow "):
+        return StreamingResponse(slowly(float(said.split()[1])),
+                                 media_type="text/event-stream")
     if said == "busy":
         return JSONResponse({"error": {"message": "too many requests", "type": "rate_limit"}},
                             status_code=429, headers={"Retry-After": "7"})
+    if said == "broken":
+        return JSONResponse({"error": {"message": "the server failed"}}, status_code=500)
     if said == "bad":
         return JSONResponse({"error": {"message": "top_p is out of range",
                                        "param": "top_p"}}, status_code=400)
@@ -303,32 +322,89 @@ uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
 """
 
 
-def test_an_upstreams_refusals_and_silence_keep_their_meaning(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def stub_upstream() -> Iterator[str]:
+    """The stub's base URL while it runs."""
     stub = subprocess.Popen([sys.executable, "-c", STUB], stdout=subprocess.PIPE, text=True)
     try:
         assert stub.stdout is not None
-        url = f"http://127.0.0.1:{int(stub.stdout.readline())}"
-        front = FRONT.format(a=url, b=url).replace("replicas = 2", "replicas = 1").replace(
-            'model = "smollm2"', 'model = "stub"').replace("timeout_s = 30", "timeout_s = 1")
-        with serving(front, tmp_path) as server:
-            def ask(content: str) -> httpx.Response:
-                return httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
-                    **CHAT, "stream": True, "messages": [{"role": "user",
-                                                          "content": content}]})
-            busy = ask("busy")
-            assert busy.status_code == 429 and busy.headers["retry-after"] == "7", busy.text
-            bad = ask("bad")
-            assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_p"
-            silent = ask("silent")  # no answer within timeout_s
-            assert silent.status_code == 503, silent.text
-            assert "did not answer in time" in silent.json()["error"]["message"]
-            # Neither marks the upstream down: it answered its health check all along.
-            assert replicas(server.url)[0]["state"] == "ready"
+        yield f"http://127.0.0.1:{int(stub.stdout.readline())}"
     finally:
         stub.kill()  # a graceful stop would wait for the request it never answers
         stub.wait(30)
         if stub.stdout is not None:
             stub.stdout.close()
+
+
+def stub_front(url: str, limits: str = "") -> str:
+    return FRONT.format(a=url, b=url).replace("replicas = 2", "replicas = 1").replace(
+        'model = "smollm2"', 'model = "stub"').replace("timeout_s = 30", "timeout_s = 1"
+    ).replace("max_num_seqs = 4\n", limits)
+
+
+def ask_stub(server: ServerProcess, content: str, stream: bool = True) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        **CHAT, "stream": stream, "messages": [{"role": "user", "content": content}]})
+
+
+def test_an_upstreams_refusals_and_silence_keep_their_meaning(tmp_path: Path) -> None:
+    with stub_upstream() as url, serving(stub_front(url), tmp_path) as server:
+        busy = ask_stub(server, "busy")
+        assert busy.status_code == 429 and busy.headers["retry-after"] == "7", busy.text
+        bad = ask_stub(server, "bad")
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_p"
+        broken = ask_stub(server, "broken")  # its fault, not the client's nor Laya's
+        assert broken.status_code == 503 and broken.headers["retry-after"], broken.text
+        assert "the server failed" in broken.json()["error"]["message"]
+        silent = ask_stub(server, "silent")  # no answer within timeout_s
+        assert silent.status_code == 503, silent.text
+        assert "did not answer in time" in silent.json()["error"]["message"]
+        # Neither marks the upstream down: it answered its health check all along.
+        assert replicas(server.url)[0]["state"] == "ready"
+
+
+def test_the_manifests_limits_hold_in_front_of_an_upstream(tmp_path: Path) -> None:
+    """max_num_seqs = 1 and max_queue = 1 per upstream: one request runs, one waits (its
+    wait is its queue time), one more is a 429, and a wait past queue_timeout_s a 503."""
+    limits = "max_num_seqs = 1\nmax_queue = 1\nqueue_timeout_s = 4\n"
+    with stub_upstream() as url, serving(stub_front(url, limits), tmp_path) as server, \
+            httpx.Client(timeout=60) as http, \
+            concurrent.futures.ThreadPoolExecutor(2) as pool:
+        def waiting(n: int) -> None:
+            deadline = time.monotonic() + 30
+            while replicas(server.url)[0]["waiting"] != n:
+                assert time.monotonic() < deadline, replicas(server.url)
+                time.sleep(0.02)
+
+        with http.stream("POST", f"{server.url}/v1/chat/completions", json={
+                **CHAT, "stream": True, "max_tokens": 1000,
+                "messages": [{"role": "user", "content": "slow 60"}]}) as long:
+            assert long.status_code == 200
+            lines = long.iter_lines()  # held: a dropped iterator closes the response
+            next(lines)  # it runs: the one place is taken
+            queued = pool.submit(ask_stub, server, "slow 0.2")
+            waiting(1)
+            full = ask_stub(server, "slow 0.2")
+            assert full.status_code == 429, full.text
+            assert full.json()["error"]["code"] == "queue_full" and full.headers["retry-after"]
+            timed_out = queued.result()  # the long one holds its place past 4 s
+            assert timed_out.status_code == 503, timed_out.text
+            assert timed_out.json()["error"]["code"] == "queue_timeout"
+            assert timed_out.headers["retry-after"]
+        # The client left: its upstream request closed, and its place is free again.
+        with http.stream("POST", f"{server.url}/v1/chat/completions", json={
+                **CHAT, "stream": True, "max_tokens": 1000,
+                "messages": [{"role": "user", "content": "slow 0.5"}]}) as short:
+            assert short.status_code == 200
+            lines = short.iter_lines()
+            next(lines)
+            queued = pool.submit(ask_stub, server, "slow 0.1", False)
+            waiting(1)
+        served = queued.result()
+        assert served.status_code == 200, served.text
+        queue_ms = float(re.search(r"queue;dur=([0-9.]+)", served.headers["server-timing"])[1])
+        assert queue_ms > 0, served.headers["server-timing"]
+        assert replicas(server.url)[0]["running"] == 0
 
 
 def test_a_deployment_in_code_serves_from_one_event_loop_after_another(

@@ -194,7 +194,22 @@ class UpstreamClient(EngineBackendClient):
         self._refuse_what_cannot_pass(params, constraint)
         check_length(len(prompt_token_ids), params.max_tokens, self.info().max_seq_len)
         path, body = self._body(prompt_token_ids, params, constraint)
-        started = time.perf_counter()
+        waited = await self.wait_for_room()  # the manifest's max_num_seqs and max_queue
+        try:
+            started = time.perf_counter()
+            response = await self._open(path, body)
+        except BaseException:
+            self.give_back_room()  # it never ran
+            raise
+        rid = next(self._ids)
+        stream = self.new_stream(rid, len(prompt_token_ids))
+        stream.queue.put_nowait(ADMITTED)
+        self._tasks[rid] = asyncio.create_task(
+            self._relay(rid, response, stream, started, waited))
+        return stream
+
+    async def _open(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        """The upstream's streamed response, its status 200; raises what it refused."""
         client = self._client()
         try:
             response = await client.send(
@@ -211,12 +226,7 @@ class UpstreamClient(EngineBackendClient):
             await response.aread()
             await response.aclose()
             self._refuse(response)
-        rid = next(self._ids)
-        stream = self.new_stream(rid, len(prompt_token_ids))
-        stream.queue.put_nowait(ADMITTED)
-        self.count_started()
-        self._tasks[rid] = asyncio.create_task(self._relay(rid, response, stream, started))
-        return stream
+        return response
 
     def _refuse(self, response: httpx.Response) -> None:
         message, param = _error_text(response)
@@ -224,11 +234,11 @@ class UpstreamClient(EngineBackendClient):
         if response.status_code == 429:
             self.count_rejected("queue_full")
             raise QueueFullError(said, _retry_after(response))
-        if response.status_code in (502, 503, 504):
-            raise EngineUnavailableError(said, _retry_after(response))
         if 400 <= response.status_code < 500:
             raise UnsupportedParameterError(param or "messages", said)
-        raise RuntimeError(said)
+        # 5xx: the server failed this request, not the client; a 503 asks it to try again
+        # (Laya's own 500 is kept for its own faults).
+        raise EngineUnavailableError(said, _retry_after(response))
 
     def cancel(self, request_id: int) -> None:
         task = self._tasks.get(request_id)
@@ -236,7 +246,7 @@ class UpstreamClient(EngineBackendClient):
             task.cancel()  # closes the upstream response (the task's finally)
 
     async def _relay(self, rid: int, response: httpx.Response, stream: GenerationStream,
-                     started: float) -> None:
+                     started: float, waited: float) -> None:
         """Read the upstream's SSE chunks into the request's stream."""
         first: float | None = None
         pieces = 0
@@ -269,7 +279,7 @@ class UpstreamClient(EngineBackendClient):
             end = time.perf_counter()
             first = first or end
             took = end - started
-            timing = Timing(queue_s=0.0, prefill_s=first - started, decode_s=end - first,
+            timing = Timing(queue_s=waited, prefill_s=first - started, decode_s=end - first,
                             layers=((UPSTREAM, took),))
             counted = Usage(
                 int((usage or {}).get("prompt_tokens", stream.num_prompt_tokens)),

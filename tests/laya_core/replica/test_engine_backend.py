@@ -10,16 +10,23 @@ import threading
 import time
 from collections.abc import Sequence
 
+import attrs
 import pytest
 
-from laya_core.backend import ModelInfo
+from laya_core.backend import ModelConfig, ModelInfo
 from laya_core.config import manifest as mf
 from laya_core.engine.stream import ADMITTED, GenerationStream
 from laya_core.hookspecs import hookimpl
 from laya_core.models.files import ModelShape
 from laya_core.models.tokenizer import Tokenizer
 from laya_core.plugins import load_registry
-from laya_core.replica.client import EngineState, ReplicaInfo, UnsupportedParameterError
+from laya_core.replica.client import (
+    EngineState,
+    QueueFullError,
+    QueueTimeoutError,
+    ReplicaInfo,
+    UnsupportedParameterError,
+)
 from laya_core.replica.engine_backend import EngineBackend, EngineBackendClient
 from laya_core.routing.router import NoRouteError
 from laya_core.serving.deployment import Deployment
@@ -63,8 +70,8 @@ class EchoClient(EngineBackendClient):
                      constraint: ConstraintSpec | None = None) -> GenerationStream:
         if constraint is not None:
             raise UnsupportedParameterError(constraint.param, "no constraints here")
+        await self.wait_for_room()
         stream = self.new_stream(0, len(prompt_token_ids))
-        self.count_started()
         text = bytes(prompt_token_ids).decode()
         for event in (ADMITTED, TokenEvent(text, ()),
                       TokenEvent("", (), FinishReason.STOP, usage=Usage(1, 1))):
@@ -198,3 +205,78 @@ def test_the_plan_counts_what_it_reports_and_no_grammars_it_refuses() -> None:
     assert not EchoEngine.supports_constraints
     assert "grammars" not in {o.name for o in engine.profile.overheads}
     assert "grammars" in {o.name for o in step.profile.overheads}
+
+
+class HoldClient(EchoClient):
+    """Its requests run until the test finishes them."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config, 0, 0)
+        self.streams: list[GenerationStream] = []
+        self.waited: list[float] = []
+
+    async def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                     constraint: ConstraintSpec | None = None) -> GenerationStream:
+        waited = await self.wait_for_room()
+        stream = self.new_stream(len(self.streams), len(prompt_token_ids))
+        stream.queue.put_nowait(ADMITTED)
+        self.streams.append(stream)
+        self.waited.append(waited)
+        return stream
+
+    def finish(self, i: int) -> None:
+        self.streams[i].queue.put_nowait(TokenEvent("", (), FinishReason.STOP))
+        self.count_finished(FinishReason.STOP, 1)
+
+
+def test_the_manifests_limits_admit_queue_and_refuse_its_requests() -> None:
+    client = HoldClient(ModelConfig(name="m", backend="echo-engine", path="x",
+                                    max_num_seqs=1, max_queue=1, queue_timeout_s=30))
+
+    async def run() -> None:
+        ask = lambda: client.submit([104], SamplingParams())  # noqa: E731
+        await ask()  # runs: the one place
+        second = asyncio.create_task(ask())
+        while client.state().num_waiting == 0:
+            await asyncio.sleep(0)
+        with pytest.raises(QueueFullError, match="max_queue 1"):
+            await ask()  # one more than the queue holds
+        assert (client.state().num_running, client.state().num_waiting) == (1, 1)
+        client.finish(0)  # its place goes to the one waiting
+        await second
+        assert client.waited[1] > 0 and client.state().num_running == 1
+        client.config = attrs.evolve(client.config, queue_timeout_s=0.01)
+        with pytest.raises(QueueTimeoutError, match="waited 0.01 s"):
+            await ask()
+        client.config = attrs.evolve(client.config, queue_timeout_s=30)
+        leaver = asyncio.create_task(ask())
+        while client.state().num_waiting == 0:
+            await asyncio.sleep(0)
+        leaver.cancel()  # the client went away while it waited
+        with pytest.raises(asyncio.CancelledError):
+            await leaver
+        assert client.state().num_waiting == 0
+        client.finish(1)
+        assert client.state().num_running == 0
+        await ask()  # the place is free again, with no wait
+        assert client.waited[-1] == 0.0
+
+    asyncio.run(run())
+    assert client.state().rejections == {"queue_full": 1, "queue_timeout": 1}
+
+
+def test_max_queue_0_refuses_at_once_and_no_limit_admits_all() -> None:
+    config = ModelConfig(name="m", backend="echo-engine", path="x", max_num_seqs=1,
+                         max_queue=0)
+    client = HoldClient(config)
+
+    async def run(client: HoldClient, n: int) -> None:
+        for _ in range(n):
+            await client.submit([104], SamplingParams())
+
+    asyncio.run(run(client, 1))
+    with pytest.raises(QueueFullError):
+        asyncio.run(run(client, 1))
+    unlimited = HoldClient(attrs.evolve(config, max_num_seqs=None))
+    asyncio.run(run(unlimited, 50))  # the engine's own queue decides
+    assert unlimited.state().num_running == 50
