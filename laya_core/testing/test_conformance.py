@@ -356,3 +356,24 @@ def test_a_json_schema_is_honoured_or_refused_naming_its_field(
             assert json.loads(out.text)["answer"] in ("yes", "no"), out.text
     served(laya_client)
 
+
+
+def test_stop_strings_seeds_and_whole_characters_hold_through_the_client(
+        laya_client: EngineClient) -> None:
+    """What a backend's own engine must honour too: a stop string ends the text before it,
+    the same seed gives the same text, and streamed pieces are whole characters."""
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    free = asyncio.run(ask(laya_client, TEXTS[0], greedy))
+    text = free.text
+    stop = next(text[i:i + 3] for i in range(4, len(text) - 3) if text[i:i + 3].strip())
+    stopped = asyncio.run(ask(laya_client, TEXTS[0], attrs.evolve(greedy, stop=(stop,))))
+    assert stopped.finish is FinishReason.STOP, stopped
+    assert stopped.text == text[:text.index(stop)], (stop, stopped.text, text)
+    seeded = SamplingParams(max_tokens=12, temperature=0.8, seed=1234, ignore_eos=True)
+    first = asyncio.run(ask(laya_client, TEXTS[1], seeded))
+    assert asyncio.run(ask(laya_client, TEXTS[1], seeded)).text == first.text
+    pieces = asyncio.run(ask(laya_client, f"Repeat after me: {TEXTS[4]}", attrs.evolve(
+        greedy, max_tokens=40)))
+    if "\ufffd" not in pieces.text:
+        assert not [p for p in pieces.texts if "\ufffd" in p], pieces.texts
+    served(laya_client)

@@ -62,7 +62,7 @@ def test_an_engine_level_backend_passes_what_applies_to_it(tmp_path: Path) -> No
     passed = re.search(r"(\d+) passed", summary)
     skipped = re.search(r"(\d+) skipped", summary)
     assert passed and skipped and "failed" not in summary, summary
-    assert int(passed.group(1)) >= 4  # the EngineClient's checks
+    assert int(passed.group(1)) >= 5  # the EngineClient's checks
     reasons = re.findall(r"^SKIPPED \[(\d+)\] [^:]+:\d+: (.*)$", out, re.M)
     assert sum(int(n) for n, _ in reasons) == int(skipped.group(1))
     assert all(why.startswith("a step-level check: the openai backend is engine-level")
