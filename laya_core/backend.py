@@ -54,6 +54,15 @@ class ModelConfig:
     # The family's tool-call format (laya_core/structured/tool_formats.py), or "auto": the
     # one its chat template shows.
     tool_call_format: str = "auto"
+    # "always": loaded with the server, never unloaded; "on_demand": loaded at its first
+    # request and unloaded when idle for idle_unload_s (None: only when another model needs
+    # the room), by the memory plan (laya_core/serving/residency.py).
+    load: str = "always"
+    idle_unload_s: float | None = None
+
+    @property
+    def on_demand(self) -> bool:
+        return self.load == "on_demand"
 
 
 @attrs.frozen

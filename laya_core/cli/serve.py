@@ -71,15 +71,23 @@ class _Stop:
 
 def _models_line(deployment: Deployment) -> str:
     """"smollm2 (2 replicas), big (1 replica)", then what failed."""
-    served, failed = [], []
+    served, failed, on_demand = [], [], []
     for name in deployment.models:
+        if deployment.residency.on_demand(name):
+            on_demand.append(name)
+            continue
         states = [c.state().state for c in deployment.clients_of(name)]
         ready = sum(s is EngineState.READY for s in states)
         if ready:
             served.append(f"{name} ({ready} replica{'s' if ready > 1 else ''})")
         if ready < len(states):
             failed.append(name)
-    return ", ".join(served) + (f"; failed to load: {', '.join(failed)}" if failed else "")
+    parts = [", ".join(served) or "no model loaded yet"]
+    if failed:
+        parts.append(f"failed to load: {', '.join(failed)}")
+    if on_demand:
+        parts.append(f"loaded on demand: {', '.join(on_demand)}")
+    return "; ".join(parts)
 
 
 async def _watch_load(deployment: Deployment, stop: _Stop, url: str) -> None:
@@ -133,8 +141,10 @@ def serve(manifest: Manifest, registry: Registry, plan: Plan | None = None,
         listener.close()
         raise
     url = url_of(listener)
+    pinned = [n for n in deployment.models if not deployment.residency.on_demand(n)]
     log.info("loading %d replica(s) of %s in %s; listening on %s (router: %s)",
-             len(deployment.clients), ", ".join(deployment.models),
+             sum(len(deployment.clients_of(n)) for n in pinned), ", ".join(pinned) or "no "
+             "model (all load on demand)",
              "worker processes" if deployment.processes else "this process", url,
              deployment.router_name)
     deployment.start()

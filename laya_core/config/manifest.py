@@ -130,10 +130,14 @@ def _router(data: Any, problems: Problems) -> RouterConfig:
     return RouterConfig(impl)
 
 
+# When a model's replicas load: with the server ("always"), or at its first request, to be
+# unloaded when idle or when another needs the room ("on_demand", laya_core/serving/residency.py).
+LOAD_MODES = ("always", "on_demand")
+
 MODEL_KEYS = ("name", "backend", "path", "max_seq_len", "max_num_seqs", "kv_cache_tokens",
               "kv_cache_dtype", "prefix_caching", "routing", "replicas", "max_step_tokens",
               "max_queue", "queue_timeout_s", "scheduler", "cache_policy", "embeddings",
-              "tool_call_format", "options")
+              "tool_call_format", "load", "idle_unload_s", "options")
 
 
 def _name_problem(v: str) -> str | None:
@@ -183,13 +187,23 @@ def _model(data: Any, index: int, base_dir: Path, problems: Problems) -> ModelCo
     tool_call_format = t.get("tool_call_format", str, "auto", check=lambda v: None
                              if v == "auto" or v in TOOL_FORMATS else
                              "must be auto or one of " + ", ".join(TOOL_FORMATS))
+    load = t.get("load", str, "always", check=lambda v: None if v in LOAD_MODES else
+                 "must be " + " or ".join(f'"{m}"' for m in LOAD_MODES))
+    idle_unload_s = t.get("idle_unload_s", (int, float), None,
+                          check=lambda v: None if 0 < v <= 30 * 86400 else
+                          "must be between 0 and 2592000 seconds (30 days)")
+    if idle_unload_s is not None and load != "on_demand":
+        t.problem("idle_unload_s", 'applies to models loaded on demand: set load = '
+                  '"on_demand" too, or remove it (a model loaded always stays loaded)')
     t.finish(MODEL_KEYS)
     if name is None or path is None:
         return None
     return ModelConfig(name, backend, path, max_seq_len, max_num_seqs, replicas,
                        max_step_tokens, scheduler, cache_policy, kv_cache_tokens,
                        kv_cache_dtype, prefix_caching, routing, max_queue,
-                       float(queue_timeout_s), options, embeddings, tool_call_format)
+                       float(queue_timeout_s), options, embeddings, tool_call_format,
+                       load or "always",
+                       None if idle_unload_s is None else float(idle_unload_s))
 
 
 def _from_dict(data: Mapping[str, Any], source: str, base_dir: Path,

@@ -13,6 +13,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import attrs
+
 from laya_core.types import TokenEvent, Usage
 
 # Sent when a sequence joins the batch: the HTTP layer answers only once a request runs.
@@ -55,6 +57,9 @@ class GenerationStream:
         self._early_end: TokenEvent | None = None
         self._num_tokens = 0  # token ids received so far
         self._usage: Usage | None = None
+        # Waits before the request reached its replica, as (layer, seconds): added to the
+        # final event's queue time and named as layers of their own (a model's load).
+        self.waits_before: list[tuple[str, float]] = []
 
     async def wait_admitted(self) -> TokenEvent | None:
         """Wait until the sequence joins the batch; the final event if it ended before that."""
@@ -80,6 +85,11 @@ class GenerationStream:
         if event.finish_reason is not None:
             self.finished = True
             self._usage = event.usage
+            if self.waits_before and event.timing is not None:
+                waited = sum(s for _, s in self.waits_before)
+                event = attrs.evolve(event, timing=attrs.evolve(
+                    event.timing, queue_s=event.timing.queue_s + waited,
+                    layers=(*event.timing.layers, *self.waits_before)))
         return event
 
     def cancel(self) -> None:

@@ -24,7 +24,7 @@ from laya_core.http.body import json_body
 from laya_core.http.disconnect import until_disconnect
 from laya_core.http.embedding_requests import EmbeddingRequest, parse_embedding
 from laya_core.http.errors import APIError, invalid, refusal
-from laya_core.http.replicas import client_for, route
+from laya_core.http.replicas import ready_client, route
 from laya_core.replica.client import EngineClient
 from laya_core.serving.deployment import Deployment
 
@@ -105,11 +105,11 @@ class EmbeddingHandler:
     async def handle(self, request: Request) -> Response:
         deployment = self.deployment
         req = parse_embedding(await json_body(request, deployment.manifest.server))
-        client = client_for(deployment, req.model)
-        if not client.supports_embeddings():
-            raise _unsupported(deployment, req, client)
-        ids = await asyncio.to_thread(_token_ids, req, client)
-        result, route_s = await _embed(deployment, req, ids, request)
+        async with ready_client(deployment, req.model) as (client, _):
+            if not client.supports_embeddings():
+                raise _unsupported(deployment, req, client)
+            ids = await asyncio.to_thread(_token_ids, req, client)
+            result, route_s = await _embed(deployment, req, ids, request)
         usage = {"prompt_tokens": result.num_tokens, "total_tokens": result.num_tokens}
         access_log.note(req.model, {**usage, "completion_tokens": 0}, route_s, None)
         data: list[dict[str, Any]] = [

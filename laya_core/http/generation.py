@@ -14,7 +14,7 @@ from laya_core.engine.limits import room_to_generate
 from laya_core.engine.stream import GenerationStream
 from laya_core.http.completion_requests import ChatRequest, CompletionRequest, GenerationRequest
 from laya_core.http.errors import QUEUE_RETRY_AFTER_S, APIError, invalid, refusal
-from laya_core.http.replicas import client_for, route
+from laya_core.http.replicas import ready_client, route
 from laya_core.kv.hashing import prefix_hashes
 from laya_core.replica.client import EngineClient, RequestTooLongError
 from laya_core.serving.deployment import Deployment
@@ -170,9 +170,14 @@ async def start(deployment: Deployment, request: ChatRequest | CompletionRequest
     request can still get a proper status. On any error nothing is left running. ``session``
     (the X-Session-ID header) defaults to the request's ``user``.
     """
+    async with ready_client(deployment, request.common.model) as (client, load_s):
+        return await _start(deployment, request, session or request.common.user, client,
+                            load_s)
+
+
+async def _start(deployment: Deployment, request: ChatRequest | CompletionRequest,
+                 session: str | None, client: EngineClient, load_s: float) -> list[Running]:
     req = request.common
-    session = session or req.user
-    client = client_for(deployment, req.model)
     _check_prompt_logprobs(request, client)
     if isinstance(request, ChatRequest) and request.tools is not None \
             and deployment.tool_format(client).name != "hermes":
@@ -203,6 +208,8 @@ async def start(deployment: Deployment, request: ChatRequest | CompletionRequest
                                           discard_output=max_tokens == 0))
         for run in runs:
             await _admitted(run)
+            if load_s:  # the model loaded for it: queue time, and a layer of its own
+                run.stream.waits_before.append(("load", load_s))
     except BaseException:  # an error, or cancelled while queued: leave nothing behind
         release_all(runs)
         raise

@@ -24,7 +24,7 @@ from laya_core.http.completion_requests import ChatRequest
 from laya_core.http.completions import CompletionHandlers
 from laya_core.http.errors import QUEUE_RETRY_AFTER_S, APIError, invalid
 from laya_core.http.observe import Observer
-from laya_core.http.replicas import client_for
+from laya_core.http.replicas import ready_client
 from laya_core.http.sse import SSEResponse
 from laya_core.serving.chat_template import TemplateError
 from laya_core.serving.deployment import Deployment
@@ -72,15 +72,15 @@ class MessageHandlers:
 
     async def count_tokens(self, request: Request) -> Response:
         req = await _parse(await json_body(request, self.deployment.manifest.server), True)
-        client = client_for(self.deployment, req.common.model)
-        try:
-            tokens = await asyncio.to_thread(gen.chat_ids, self.deployment, client, req)
-        except TemplateError as e:
-            raise invalid("messages", str(e), "chat_template_error") from None
-        except TemplateUnavailableError as e:
-            raise APIError(503, str(e), code="template_unavailable",
-                           retry_after=QUEUE_RETRY_AFTER_S) from None
-        return JSONResponse({"input_tokens": len(tokens)})
+        async with ready_client(self.deployment, req.common.model) as (client, _):
+            try:
+                tokens = await asyncio.to_thread(gen.chat_ids, self.deployment, client, req)
+            except TemplateError as e:
+                raise invalid("messages", str(e), "chat_template_error") from None
+            except TemplateUnavailableError as e:
+                raise APIError(503, str(e), code="template_unavailable",
+                               retry_after=QUEUE_RETRY_AFTER_S) from None
+            return JSONResponse({"input_tokens": len(tokens)})
 
     async def create(self, request: Request) -> Response:
         req = await _parse(await json_body(request, self.deployment.manifest.server))

@@ -1,15 +1,18 @@
-"""Finding a replica for a request: a loaded one to ask about the model, and the router's
-choice of the one to run it, timed (the route time of ``Server-Timing``)."""
+"""Finding a replica for a request: a loaded one to ask about the model (an on-demand model
+is loaded first), and the router's choice of the one to run it, timed (the route time of
+``Server-Timing``)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 from laya_core.http.errors import QUEUE_RETRY_AFTER_S, APIError
 from laya_core.replica.client import EngineClient
 from laya_core.routing.router import NoRouteError
 from laya_core.serving.deployment import Deployment, ModelUnavailableError, UnknownModelError
+from laya_core.serving.residency import LoadFailedError, NoRoomError
 
 
 def client_for(deployment: Deployment, name: str, param: str = "model") -> EngineClient:
@@ -23,6 +26,29 @@ def client_for(deployment: Deployment, name: str, param: str = "model") -> Engin
         if e.failed:  # no retry will help: say why, at once
             raise APIError(503, str(e), code="model_failed") from None
         raise APIError(503, str(e), code="not_ready", retry_after=5) from None
+
+
+@contextlib.asynccontextmanager
+async def ready_client(deployment: Deployment, name: str,
+                       param: str = "model") -> AsyncIterator[tuple[EngineClient, float]]:
+    """A loaded replica of model ``name`` and the seconds spent loading it (0 unless it
+    loads on demand and was not loaded), or the APIError that says why there is none: 503
+    ``model_failed`` when it failed to load, 503 ``no_room`` with Retry-After when no room
+    could be made for it in its queue_timeout_s. An on-demand model stays loaded while the
+    block runs: route the request inside it (the router's count then keeps it)."""
+    residency = deployment.residency
+    try:
+        waited = await residency.acquire(name)
+    except LoadFailedError as e:
+        raise APIError(503, f"the model {name!r} failed to load: {e}",
+                       code="model_failed") from None
+    except NoRoomError as e:
+        raise APIError(503, f"{e}; retry later", code="no_room",
+                       retry_after=QUEUE_RETRY_AFTER_S) from None
+    try:
+        yield client_for(deployment, name, param), waited
+    finally:
+        residency.release(name)
 
 
 def route(deployment: Deployment, model: str, session: str | None,

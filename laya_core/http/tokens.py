@@ -14,7 +14,7 @@ from laya_core.http.body import json_body
 from laya_core.http.chat_requests import parse_chat
 from laya_core.http.completion_requests import Body
 from laya_core.http.errors import invalid
-from laya_core.http.replicas import client_for
+from laya_core.http.replicas import ready_client
 from laya_core.serving.chat_template import TemplateError
 from laya_core.serving.deployment import Deployment
 
@@ -49,19 +49,19 @@ def token_routes(deployment: Deployment) -> list[Route]:
 
     async def tokenize(request: Request) -> Response:
         req = parse_tokenize(await json_body(request, server))
-        client = client_for(deployment, req.model)
-        if req.messages is not None:
-            try:
-                tokens = await asyncio.to_thread(
-                    deployment.chat_prompt, client, req.messages, req.add_generation_prompt,
-                    req.add_special_tokens)
-            except TemplateError as e:
-                raise invalid("messages", str(e), "chat_template_error") from None
-        else:
-            tokens = await asyncio.to_thread(client.tokenizer().encode, req.prompt,
-                                             add_special=req.add_special_tokens)
-        return JSONResponse({"tokens": tokens, "count": len(tokens),
-                             "max_model_len": client.info().max_seq_len})
+        async with ready_client(deployment, req.model) as (client, _):
+            if req.messages is not None:
+                try:
+                    tokens = await asyncio.to_thread(
+                        deployment.chat_prompt, client, req.messages, req.add_generation_prompt,
+                        req.add_special_tokens)
+                except TemplateError as e:
+                    raise invalid("messages", str(e), "chat_template_error") from None
+            else:
+                tokens = await asyncio.to_thread(client.tokenizer().encode, req.prompt,
+                                                 add_special=req.add_special_tokens)
+            return JSONResponse({"tokens": tokens, "count": len(tokens),
+                                 "max_model_len": client.info().max_seq_len})
 
     async def detokenize(request: Request) -> Response:
         body = await json_body(request, server)
@@ -69,13 +69,17 @@ def token_routes(deployment: Deployment) -> list[Route]:
         if not isinstance(model, str) or not model:
             raise invalid("model", "'model' is required", "missing")
         tokens = body.get("tokens")
-        tokenizer = client_for(deployment, model).tokenizer()
-        vocab = tokenizer.vocab_size
-        if not isinstance(tokens, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in tokens) \
-                or tokenizer.first_unknown(tokens) is not None:
-            raise invalid("tokens", f"'tokens' must be an array of token ids in 0..{vocab - 1}")
-        return JSONResponse({"prompt": tokenizer.decode(tokens)})
+        async with ready_client(deployment, model) as (client, _):
+            return _detokenized(client.tokenizer(), tokens)
 
     return [Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"])]
+
+
+def _detokenized(tokenizer: Any, tokens: Any) -> Response:
+    vocab = tokenizer.vocab_size
+    if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in tokens) \
+            or tokenizer.first_unknown(tokens) is not None:
+        raise invalid("tokens", f"'tokens' must be an array of token ids in 0..{vocab - 1}")
+    return JSONResponse({"prompt": tokenizer.decode(tokens)})

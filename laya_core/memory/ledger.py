@@ -111,13 +111,37 @@ class Plan:
     suggestions: tuple[str, ...] = ()
     processes: bool = False  # each replica in a worker process (its ledger says so)
 
+    def model_bytes(self, model: str) -> int:
+        """What all replicas of ``model`` hold, as planned."""
+        return sum(r.total_bytes for r in self.replicas if r.model == model)
+
+    @property
+    def pinned(self) -> tuple[ReplicaLedger, ...]:
+        """The replicas loaded with the server (``load = "always"``)."""
+        return tuple(r for r in self.replicas if not r.config.on_demand)
+
+    @property
+    def largest_on_demand(self) -> str | None:
+        """The on-demand model that needs the most room; None when there is none."""
+        sizes = {r.model: self.model_bytes(r.model) for r in self.replicas
+                 if r.config.on_demand}
+        return max(sizes, key=lambda m: (sizes[m], m)) if sizes else None
+
+    @property
+    def peak(self) -> tuple[ReplicaLedger, ...]:
+        """The replicas the total counts: the pinned ones and the largest on-demand model's.
+        Each on-demand model must fit beside the pinned ones; two of them are loaded together
+        only while the budget has room (laya_core/serving/residency.py)."""
+        largest = self.largest_on_demand
+        return tuple(r for r in self.replicas if not r.config.on_demand or r.model == largest)
+
     @property
     def shared_bytes_counted_once(self) -> int:
         """What the replica ledgers count more than once of the overheads their process
         shares (``Overhead.shared``): every replica's ledger holds the line, since each
         alone would need it, and the total takes each shared key's largest once."""
         by_key: dict[str, list[int]] = {}
-        for r in self.replicas:
+        for r in self.peak:
             for o in r.profile.overheads:
                 if o.shared is not None:
                     by_key.setdefault(o.shared, []).append(o.bytes)
@@ -125,7 +149,9 @@ class Plan:
 
     @property
     def total_bytes(self) -> int:
-        return (self.runtime_bytes + sum(r.total_bytes for r in self.replicas)
+        """The most the deployment holds at once: the runtime, the pinned replicas and the
+        largest on-demand model."""
+        return (self.runtime_bytes + sum(r.total_bytes for r in self.peak)
                 - self.shared_bytes_counted_once)
 
     @property
@@ -139,6 +165,8 @@ class Plan:
             "runtime_bytes": self.runtime_bytes, "worker_processes": self.processes,
             "shared_bytes_counted_once": self.shared_bytes_counted_once,
             "total_bytes": self.total_bytes,
+            "pinned_bytes": sum(r.total_bytes for r in self.pinned),
+            "largest_on_demand": self.largest_on_demand,
             "replicas": [r.to_json() for r in self.replicas],
             "suggestions": list(self.suggestions),
         }

@@ -238,6 +238,16 @@ def format_plan(plan: Plan) -> str:
     if plan.shared_bytes_counted_once:
         lines.append(f"shared, once         {fmt_bytes(-plan.shared_bytes_counted_once):>12}   "
                      "the replicas' shared lines, each counted once in the total")
+    if (largest := plan.largest_on_demand) is not None:
+        pinned = sorted({r.model for r in plan.pinned})
+        on_demand = sorted({r.model for r in plan.replicas if r.config.on_demand})
+        lines += [
+            f"pinned               {fmt_bytes(sum(r.total_bytes for r in plan.pinned)):>12}"
+            f"   load = always: {', '.join(pinned) or 'none'}",
+            f"largest on demand    {fmt_bytes(plan.model_bytes(largest)):>12}   {largest}, "
+            f"of {len(on_demand)} loaded on demand ({', '.join(on_demand)}): each fits beside "
+            "the pinned ones; the total counts the largest",
+        ]
     lines += [
         f"total                {fmt_bytes(plan.total_bytes):>12}",
         f"budget               {fmt_bytes(plan.budget.bytes):>12}   {plan.budget.source}",

@@ -10,9 +10,10 @@ are :mod:`laya_core.serving.prompts`'; the line a loaded replica logs is
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -31,6 +32,7 @@ from laya_core.replica.remote import RemoteEngineClient
 from laya_core.routing.router import ReplicaState, Router
 from laya_core.serving.load_log import log_loaded
 from laya_core.serving.prompts import ChatPrompts
+from laya_core.serving.residency import Residency, Resident
 from laya_core.structured.tool_formats import ToolFormat, tool_format
 from laya_core.structured.tools import ToolUse
 
@@ -95,11 +97,11 @@ class Deployment:
         router_name = registry.router_name(manifest.router.impl)
         self.router_name = router_name
         self.router: Router = registry.routers[router_name].obj()
-        self.engines: list[Engine] = []  # the replicas on threads of this process
-        # In worker processes or Ray actors, or an engine-level backend's own.
-        self.workers: list[RemoteEngineClient | EngineBackendClient] = []
-        # What the HTTP side uses, one per replica, by replica id (the router's choice).
+        # What the HTTP side uses, one per replica, by replica id (the router's choice). An
+        # on-demand model's are made again for each load (a client starts once).
         self.clients: list[EngineClient] = []
+        self._make_client: list[Callable[[], EngineClient]] = []
+        self._started: dict[int, float] = {}  # replica -> when its client was started
         self.models: dict[str, ModelConfig] = {}
         # Tokens per KV block of each model's backend (Backend.block_size), known before
         # any replica loads: the router's prefix hashes and /live's blocks count in them.
@@ -119,50 +121,119 @@ class Deployment:
             apart = transports.runs_apart(config, registry.backends[config.backend].obj)
             for index in range(config.replicas):
                 replica = len(self.clients)
-                client = replica_client(config, replica, registry, transports, apart,
-                                        self._changed, self._worker_loaded, self._loaded,
-                                        index)
-                if isinstance(client, LocalEngineClient):
-                    self.engines.append(client.engine)
-                else:
-                    assert isinstance(client, RemoteEngineClient | EngineBackendClient)
-                    self.workers.append(client)
-                self.clients.append(client)
+                make = functools.partial(
+                    replica_client, config, replica, registry, transports, apart,
+                    self._changed, self._worker_loaded, self._loaded, index)
+                self._make_client.append(make)
+                self.clients.append(make())
                 self.router.add_replica(config.name, replica)
+                if config.on_demand:  # no requests until it has loaded
+                    self.router.set_state(replica, ReplicaState.DOWN)
             self.router.set_policy(config.name, config.routing)
+        self.residency = Residency(self, [
+            Resident(m.name, plan.model_bytes(m.name) if plan else 0, m.queue_timeout_s,
+                     m.idle_unload_s) for m in manifest.models if m.on_demand],
+            plan.budget.bytes if plan else None,
+            plan.runtime_bytes + sum(r.total_bytes for r in plan.pinned) if plan else 0)
+
+    @property
+    def engines(self) -> list[Engine]:
+        """The replicas on threads of this process."""
+        return [c.engine for c in self.clients if isinstance(c, LocalEngineClient)]
+
+    @property
+    def workers(self) -> list[RemoteEngineClient | EngineBackendClient]:
+        """The replicas in worker processes or Ray actors, or an engine-level backend's."""
+        return [c for c in self.clients if not isinstance(c, LocalEngineClient)]  # type: ignore[misc]
+
+    def _pinned(self) -> list[EngineClient]:
+        return [c for c in self.clients if not self.models[c.model].on_demand]
 
     def start(self) -> None:
+        """Start the pinned models' replicas; the on-demand ones load at their first
+        request (laya_core/serving/residency.py)."""
         self.started_at = time.monotonic()
-        for engine in self.engines:
-            engine.start()
-        for worker in self.workers:
-            worker.start()
+        for client in self._pinned():
+            self._start(client)
+        self.residency.start()
+
+    def _start(self, client: EngineClient) -> None:
+        self._started[client.replica_id] = time.monotonic()
+        if isinstance(client, LocalEngineClient):
+            client.engine.start()
+        else:
+            client.start()  # type: ignore[attr-defined]
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        return all([engine.wait_ready(timeout) for engine in self.engines]
-                   + [worker.wait_ready(timeout) for worker in self.workers])
+        """Wait for the pinned models' first loads; whether all are ready."""
+        return all([_wait_ready(c, timeout) for c in self._pinned()])
 
     @property
     def ready(self) -> bool:
-        return all(c.state().ready for c in self.clients)
+        return all(c.state().ready for c in self._pinned())
 
     @property
     def loading(self) -> bool:
-        """Whether some replica's first load has not ended yet."""
-        return any(c.state().state is EngineState.LOADING for c in self.clients)
+        """Whether some pinned replica's first load has not ended yet."""
+        return any(c.state().state is EngineState.LOADING for c in self._pinned())
 
     def stop(self) -> None:
-        for worker in self.workers:
-            worker.begin_stop()
-        for engine in self.engines:
-            engine.stop()
-        for worker in self.workers:
-            worker.stop()
+        self.residency.stop()
+        self._stop([c for c in self.clients if c.replica_id in self._started])
         self.prompts.close()
+
+    def _stop(self, clients: Sequence[EngineClient]) -> None:
+        """Stop replicas together: every worker is asked first, then each is waited for."""
+        workers = [c for c in clients if not isinstance(c, LocalEngineClient)]
+        for worker in workers:
+            worker.begin_stop()  # type: ignore[attr-defined]
+        for client in clients:
+            if isinstance(client, LocalEngineClient):
+                client.engine.stop()
+        for worker in workers:
+            worker.stop()  # type: ignore[attr-defined]
+
+    # -- the residency's host (on-demand models) ---------------------------------------------
+
+    def load_model(self, name: str) -> str | None:
+        """Start fresh replicas of ``name`` and wait for them: None, or why they failed (then
+        they are stopped)."""
+        replicas = [c.replica_id for c in self.clients_of(name)]
+        for replica in replicas:
+            if replica in self._started:  # a client starts once: a new one for this load
+                self.clients[replica] = self._make_client[replica]()
+            self._start(self.clients[replica])
+        clients = [self.clients[r] for r in replicas]
+        if all([_wait_ready(c, None) for c in clients]):
+            return None
+        states = [c.state() for c in clients]
+        self._stop(clients)
+        return "; ".join(sorted({s.error or s.state.value for s in states}))
+
+    def stop_model(self, name: str) -> None:
+        self._stop([c for c in self.clients_of(name) if c.replica_id in self._started])
+
+    def set_routable(self, name: str, routable: bool) -> None:
+        for client in self.clients_of(name):
+            up = routable and client.state().ready
+            self.router.set_state(client.replica_id,
+                                  ReplicaState.UP if up else ReplicaState.DOWN)
+
+    def busy(self, name: str) -> bool:
+        for client in self.clients_of(name):
+            if self.router.outstanding(client.replica_id) > 0:
+                return True
+            if client.replica_id in self._started:
+                state = client.state()
+                if state.num_running or state.num_waiting:
+                    return True
+        return False
 
     def _changed(self, worker: EngineClient) -> None:
         """A worker's state changed (on its supervisor's thread): the router routes only to
         replicas that are up."""
+        if self.clients[worker.replica_id] is not worker:
+            return  # an on-demand model's client of an earlier load
         up = worker.state().state is EngineState.READY
         self.router.set_state(worker.replica_id,
                               ReplicaState.UP if up else ReplicaState.DOWN)
@@ -190,6 +261,12 @@ class Deployment:
         """A loaded replica of the model, for tokenizing and limits (all replicas agree);
         raises :class:`ModelUnavailableError` saying whether one may still come."""
         self.model(name)
+        if (resident := self.residency.status(name)) is not None \
+                and resident["status"] != "loaded":
+            if resident["status"] == "failed":
+                raise ModelUnavailableError(f"the model {name!r} failed to load: "
+                                            f"{resident['error']}", True)
+            raise ModelUnavailableError(f"the model {name!r} is {resident['status']}", False)
         clients = self.clients_of(name)
         states = [c.state() for c in clients]
         for client, state in zip(clients, states, strict=True):
@@ -206,8 +283,10 @@ class Deployment:
 
     @property
     def all_failed(self) -> bool:
-        """Every replica of every model failed to load: nothing will ever be served."""
-        return all(c.state().state is EngineState.FAILED for c in self.clients)
+        """Every replica of every pinned model failed to load, and no model loads on
+        demand: nothing will ever be served."""
+        return not self.residency.residents and all(
+            c.state().state is EngineState.FAILED for c in self.clients)
 
     def render_chat(self, info: ModelInfo, messages: Sequence[Mapping[str, Any]],
                     add_generation_prompt: bool = True,
@@ -247,5 +326,12 @@ class Deployment:
     def _log_loaded(self, name: str, replica: int, kv_tokens: int, runtime: dict[str, Any],
                     rss: int | None) -> None:
         ledgers = {r.replica: r for r in self.plan.replicas} if self.plan else {}
-        log_loaded(name, replica, time.monotonic() - (self.started_at or time.monotonic()),
-                   kv_tokens, runtime, rss, ledgers.get(replica))
+        started = self._started.get(replica, self.started_at or time.monotonic())
+        log_loaded(name, replica, time.monotonic() - started, kv_tokens, runtime, rss,
+                   ledgers.get(replica))
+
+
+def _wait_ready(client: EngineClient, timeout: float | None) -> bool:
+    if isinstance(client, LocalEngineClient):
+        return client.engine.wait_ready(timeout)
+    return bool(client.wait_ready(timeout))  # type: ignore[attr-defined]
