@@ -150,7 +150,8 @@ def snapshot(d: Deployment, window: LatencyWindow) -> dict[str, Any]:
                  for name in d.models}
     models: dict[str, dict[str, Any]] = {
         name: {"name": name, "replicas": [], "rejections": snap.rejections_of(name),
-               "latency": window.summary(name, generated[name])}
+               "latency": window.summary(name, generated[name]),
+               "load": d.models[name].load, "residency": d.residency.status(name)}
         for name in d.models}
     for client, s in snap.replicas:
         model = models[s.model]
@@ -178,7 +179,8 @@ def snapshot(d: Deployment, window: LatencyWindow) -> dict[str, Any]:
     memory = None
     if d.plan is not None:
         memory = {"budget_bytes": d.plan.budget.bytes, "budget_source": d.plan.budget.source,
-                  "planned_bytes": d.plan.total_bytes, "runtime_bytes": d.plan.runtime_bytes}
+                  "planned_bytes": d.plan.total_bytes, "runtime_bytes": d.plan.runtime_bytes,
+                  "resident_planned_bytes": d.residency.resident_bytes()}
     return {"time": time.time(), "poll_interval_ms": POLL_INTERVAL_MS, "ready": snap.ready,
             "front_end_rss_bytes": resident_bytes(), "memory": memory,
             "models": list(models.values())}

@@ -95,6 +95,7 @@ class DeploymentCollector:
         yield from (running, waiting, usage, gpu_usage, used, capacity, cached, queries, hits,
                     hit_seqs, success, rejected, up, restarts, layers, steps, sampled)
         yield from _sandbox(d)
+        yield from _residency(d)
         if d.plan is not None:
             budget = GaugeMetricFamily("laya:memory_budget_bytes", "The memory budget in force.")
             budget.add_metric([], d.plan.budget.bytes)
@@ -106,6 +107,35 @@ class DeploymentCollector:
             for r in d.plan.replicas:
                 pool.add_metric([r.model, str(r.replica)], r.kv_pool_bytes)
             yield from (budget, planned, pool)
+
+
+def _residency(d: Deployment) -> Iterator[Metric]:
+    """The models loaded on demand (laya_core/serving/residency.py)."""
+    if not d.residency.residents:
+        return
+    labels = ["model_name"]
+    loaded = GaugeMetricFamily("laya:model_loaded", "1 while the on-demand model is loaded; "
+                               "0 unloaded, loading, unloading or failed.", labels=labels)
+    loads = CounterMetricFamily("laya:model_loads", "Times the on-demand model loaded.",
+                                labels=labels)
+    unloads = CounterMetricFamily("laya:model_unloads", "Times the on-demand model was "
+                                  "unloaded, by reason: idle, evicted (for another's room), "
+                                  "asked (POST /models/unload).", labels=[*labels, "reason"])
+    seconds = CounterMetricFamily("laya:model_load_seconds", "Seconds the on-demand model's "
+                                  "loads took, all together.", labels=labels)
+    resident = GaugeMetricFamily("laya:memory_resident_planned_bytes", "The planned bytes of "
+                                 "the runtime, the pinned models and the on-demand models "
+                                 "resident now (never above the budget).")
+    for name in d.residency.residents:
+        status = d.residency.status(name)
+        assert status is not None
+        loaded.add_metric([name], 1 if status["status"] == "loaded" else 0)
+        loads.add_metric([name], status["loads"])
+        for reason in ("idle", "evicted", "asked"):
+            unloads.add_metric([name, reason], status["unloads"].get(reason, 0))
+        seconds.add_metric([name], status["load_seconds_total"])
+    resident.add_metric([], d.residency.resident_bytes())
+    yield from (loaded, loads, unloads, seconds, resident)
 
 
 def _sandbox(d: Deployment) -> Iterator[Metric]:

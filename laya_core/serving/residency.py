@@ -102,6 +102,7 @@ class Resident:
                 "planned_bytes": self.planned_bytes, "error": self.error,
                 "loads": self.loads, "unloads": dict(self.unloads),
                 "last_load_s": self.load_seconds[-1] if self.load_seconds else None,
+                "load_seconds_total": sum(self.load_seconds),
                 "idle_unload_s": self.idle_unload_s}
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import random
+import re
 import threading
 import time
 from pathlib import Path
@@ -152,5 +153,15 @@ def test_four_models_in_the_room_of_two(tmp_path: Path) -> None:
         answer = unload.result()
         assert answer.status_code == 200 and answer.json()["status"] == "unloaded"
         assert models(server.url)[name]["unloads"]["asked"] == 1  # type: ignore[index]
+        metrics = httpx.get(f"{server.url}/metrics").text
+        scraped = sum(float(v) for v in re.findall(
+            r'^laya:model_loads_total\{model_name="[a-d]"\} (\S+)$', metrics, re.M))
+        assert scraped == sum(int(c["loads"]) for c in models(server.url).values())  # type: ignore[call-overload]
+        assert re.search(r'^laya:model_unloads_total\{model_name="%s",reason="asked"\} 1\.0$'
+                         % name, metrics, re.M), metrics
+        live = {m["name"]: m for m in httpx.get(f"{server.url}/live").json()["models"]}
+        assert live[name]["load"] == "on_demand"
+        assert live[name]["residency"]["status"] == "unloaded"
+        assert live[name]["residency"]["unloads"]["asked"] == 1
         pinned = httpx.post(f"{server.url}/models/load", json={"model": "zz"})
         assert pinned.status_code == 404 and pinned.json()["error"]["param"] == "model"

@@ -176,6 +176,17 @@ function renderReplica(m, r) {
     <div class="muted">rejections: <span data-field="rejections">${rej}</span></div></div>`;
 }
 
+// A model loaded on demand: its state now, and its loads and unloads (by reason).
+function renderResidency(r) {
+  if (!r) return "";
+  const unloads = Object.entries(r.unloads).map(([k, v]) => `${esc(k)} ${v}`).join(", ") || "none";
+  const last = r.last_load_s === null ? "" : `, the last in ${r.last_load_s.toFixed(2)} s`;
+  return `<div class="residency">loaded on demand: <b data-field="residency_status">${esc(r.status)}</b>;
+    loads <span data-field="loads">${r.loads}</span>${last}; unloads <span data-field="unloads">${unloads}</span>
+    ${r.idle_unload_s === null ? "" : `; unloaded after ${r.idle_unload_s} s idle`}
+    ${r.error ? `<p class="error">${esc(r.error)}</p>` : ""}</div>`;
+}
+
 function renderModel(m) {
   const lat = m.latency;
   const rows = ["route", "queue", "prefill", "decode"].map((layer) => {
@@ -184,6 +195,7 @@ function renderModel(m) {
   }).join("");
   const rej = Object.entries(m.rejections).map(([k, v]) => `${esc(k)} ${v}`).join(", ") || "none";
   return `<section class="model" data-model="${esc(m.name)}"><h2>${esc(m.name)}</h2>
+    ${renderResidency(m.residency)}
     ${m.replicas.map((r) => renderReplica(m, r)).join("")}
     <h3>Latency, last ${lat.window_s} s (${lat.sequences} sequences)</h3>
     <table class="latency"><tr><th>layer</th><th>p50 ms</th><th>p99 ms</th></tr>${rows}</table>
