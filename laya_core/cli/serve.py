@@ -18,6 +18,7 @@ from laya_core.http import create_app
 from laya_core.memory.ledger import Plan
 from laya_core.plugins import Registry
 from laya_core.serving.deployment import Deployment
+from laya_core.serving.models_dir import ModelsDirWatcher
 
 log = logging.getLogger("laya")
 _LOAD_WATCH_S = 0.2
@@ -143,16 +144,22 @@ def serve(manifest: Manifest, registry: Registry, plan: Plan | None = None,
     url = url_of(listener)
     pinned = [n for n in deployment.models if not deployment.residency.on_demand(n)]
     log.info("loading %d replica(s) of %s in %s; listening on %s (router: %s)",
-             sum(len(deployment.clients_of(n)) for n in pinned), ", ".join(pinned) or "no "
-             "model (all load on demand)",
+             sum(len(deployment.clients_of(n)) for n in pinned), ", ".join(pinned) or
+             "no model (each loads at its first request)",
              "worker processes" if deployment.processes else "this process", url,
              deployment.router_name)
     deployment.start()
+    watcher = None
+    if manifest.models_dir is not None:  # models copied in later are served too
+        watcher = ModelsDirWatcher(deployment, manifest.models_dir, registry)
+        watcher.start()
     try:
         asyncio.run(_serve(deployment, listener, url))
     finally:
         # Shutting down already: a repeated SIGTERM must not cut the engines' cleanup short.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if watcher is not None:
+            watcher.stop()
         deployment.stop()
     failed = [s for s in (c.state() for c in deployment.clients) if s.error]
     for state in failed:

@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 
 from laya_core.config import manifest as mf
-from laya_core.config import sources
+from laya_core.config import models_dir, sources
 from laya_core.config.table import Problems
 from laya_core.plugins import Registry
 
@@ -124,6 +124,10 @@ SETTINGS = (
     Setting(("--access-log",), "LAYA_ACCESS_LOG", "server", "access_log", _bool,
             help="a log line per request (on by default; --no-access-log turns it off)",
             group="server"),
+    Setting(("--models-dir",), "LAYA_MODELS_DIR", "models_dir", "path", metavar="DIR",
+            help="serve every GGUF file and model folder in DIR, each loaded on demand and "
+            "named after its file, and those copied in later; the model flags apply to each",
+            group="model"),
     Setting(("--memory-budget",), "LAYA_MEMORY_BUDGET", "memory", "budget", metavar="SIZE",
             help="memory the deployment may use: 'auto' or a size such as 12GiB",
             group="memory"),
@@ -215,14 +219,30 @@ def _threads_path(model: dict[str, Any], registry: Registry, label: str) -> str:
     return f"models[0].options.{option}"
 
 
+def _folder_model(data: dict[str, Any]) -> dict[str, Any]:
+    """A model of the models folder, for the backend its threads flag sets: the folder's
+    first, with the folder's backend; none found yet, a GGUF file's."""
+    table = data.get("models_dir") or {}
+    folder = Path(str(table.get("path", ".")))
+    first = next(iter(models_dir.found(folder).values()), str(folder / "model.gguf"))
+    return {"backend": table.get("backend", mf.AUTO_BACKEND), "path": first}
+
+
 def _apply(data: dict[str, Any], overrides: list[Override], labels: dict[str, str],
            registry: Registry) -> None:
     models = data.get("models")
+    # With only a models folder, a model's flags set what each of its models gets.
+    per_file = not models and (isinstance(data.get("models_dir"), dict) or any(
+        o.key_path == "models_dir.path" for o in overrides))
     for o in overrides:
         key_path = o.key_path
-        if key_path == THREADS_KEY and isinstance(models, list) and len(models) == 1 \
+        if per_file and key_path == THREADS_KEY:
+            key_path = _threads_path(_folder_model(data), registry, o.label)
+        elif key_path == THREADS_KEY and isinstance(models, list) and len(models) == 1 \
                 and isinstance(models[0], dict):
             key_path = _threads_path(models[0], registry, o.label)
+        if per_file and key_path.startswith("models[0]."):
+            key_path = "models_dir." + key_path.removeprefix("models[0].")
         table, _, rest = key_path.partition(".")
         if table.startswith("models["):
             if not isinstance(models, list) or len(models) != 1 \
@@ -240,6 +260,11 @@ def _apply(data: dict[str, Any], overrides: list[Override], labels: dict[str, st
             target = data.setdefault(table, {})
             if not isinstance(target, dict):
                 continue
+            if rest.startswith("options."):  # a models folder's: each model's options
+                target = target.setdefault("options", {})
+                rest = rest.removeprefix("options.")
+                if not isinstance(target, dict):
+                    continue
         target[rest] = o.value
         labels[key_path] = o.label
 
@@ -266,7 +291,9 @@ def build(args: argparse.Namespace, registry: Registry,
             if model is not None:
                 found.insert(0, Override("models[0].path", _model_path(model), model_label))
         else:
-            if model is None:
+            if model is None and any(o.key_path == "models_dir.path" for o in found):
+                data = {}  # the folder's models only
+            elif model is None:
                 data = _single_model_data(mf.EMBEDDED_MODEL, DEFAULT_MODEL_NAME)
             else:
                 data = _single_model_data(model, None)

@@ -15,12 +15,14 @@ from typing import Any
 import attrs
 
 from laya_core.backend import ModelConfig
+from laya_core.config import models_dir as models_dir_mod
 from laya_core.config.model_plugins import (
     AUTO_BACKEND,
     SCHEME_RE,
     default_backend,
     resolve_model,
 )
+from laya_core.config.models_dir import ModelsDir
 from laya_core.config.server import (
     SERVER_KEYS,
     ServerConfig,
@@ -92,12 +94,15 @@ class Manifest:
     # Each model's index among the file's [[models]] (for key paths in messages).
     model_index: Mapping[str, int] = attrs.field(factory=dict, eq=False)
     cluster: ClusterConfig = ClusterConfig()
+    # [models_dir]: a folder whose models are served on demand, found again while serving.
+    models_dir: ModelsDir | None = None
+    from_dir: frozenset[str] = frozenset()  # the models found in it (not [[models]] entries)
 
 
 MEMORY_KEYS = ("budget",)
 ROUTER_KEYS = ("impl",)
 CLUSTER_KEYS = ("engine", "address", "worker_timeout_s")
-TOP_KEYS = ("server", "memory", "router", "cluster", "models")
+TOP_KEYS = ("server", "memory", "router", "cluster", "models", "models_dir")
 
 
 def _cluster(data: Any, problems: Problems) -> ClusterConfig:
@@ -214,13 +219,35 @@ def _from_dict(data: Mapping[str, Any], source: str, base_dir: Path,
     memory = _memory(t.get("memory", dict, {}), problems)
     router = _router(t.get("router", dict, {}), problems)
     cluster = _cluster(t.get("cluster", dict, {}), problems)
-    raw_models = t.get("models", list, required=True)
+    raw_dir = t.get("models_dir", dict, None)
+    raw_models = t.get("models", list, [] if raw_dir is not None else None,
+                       required=raw_dir is None)
     t.finish(TOP_KEYS)
-    if raw_models == []:
-        problems.add("models", "list at least one [[models]] entry")
+    if raw_models == [] and raw_dir is None:
+        problems.add("models", "list at least one [[models]] entry, or a [models_dir]")
+    models_dir = None
+    if raw_dir is not None:
+        models_dir = models_dir_mod.parse(
+            raw_dir, base_dir, problems, MODEL_KEYS,
+            lambda entry, found: _model(entry, 0, base_dir, found))
     models: list[ModelConfig] = []
     seen: dict[str, int] = {}
+    explicit = len(raw_models or ())
+    if models_dir is not None:  # after the [[models]] entries, which win a name
+        names = frozenset(str(m.get("name")) for m in raw_models or () if isinstance(m, dict))
+        raw_models = [*(raw_models or ()), *models_dir.entries(names)]
+    from_dir: set[str] = set()
     for i, raw in enumerate(raw_models or ()):
+        if i >= explicit:  # a models_dir file: its problems name the file
+            found = Problems()
+            m = _model(raw, i, base_dir, found)
+            for _, message in found.found:
+                problems.add("models_dir.path", f"{raw['path']}: {message}")
+            if m is not None and not found.found:
+                seen[m.name] = i
+                models.append(m)
+                from_dir.add(m.name)
+            continue
         m = None
         with problems.guard():
             m = _model(raw, i, base_dir, problems)
@@ -232,7 +259,8 @@ def _from_dict(data: Mapping[str, Any], source: str, base_dir: Path,
             continue
         seen[m.name] = i
         models.append(m)
-    return Manifest(server, memory, router, tuple(models), source, seen, cluster)
+    return Manifest(server, memory, router, tuple(models), source, seen, cluster, models_dir,
+                    frozenset(from_dir))
 
 
 def from_dict(data: Mapping[str, Any], source: str = "<dict>",
@@ -319,6 +347,15 @@ def _resolve(manifest: Manifest, registry: Any, need_backends: bool,
                          f"must be one of {', '.join(policies)} (the policies of the "
                          f"{registry.router_name(manifest.router.impl)} router), not "
                          f"{m.routing!r}")
+        if m.name in manifest.from_dir:  # its problems name the file, under models_dir
+            found = Problems()
+            with found.guard():
+                resolved = resolve_model(m, index, registry, need_backends, found)
+            for _, message in found.found:
+                problems.add("models_dir.path", f"{m.path}: {message}")
+            if not found.found:
+                models.append(resolved)
+            continue
         with problems.guard():
             models.append(resolve_model(m, index, registry, need_backends, problems))
     return attrs.evolve(manifest, models=tuple(models))

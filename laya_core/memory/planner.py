@@ -132,6 +132,21 @@ def make_plan(manifest: Manifest, registry: Registry, serving: bool = False) -> 
                                                              processes)))
 
 
+def plan_added(plan: Plan, config: ModelConfig, registry: Registry) -> Plan:
+    """``plan`` with one more model (resolved; a model found while serving): its replicas
+    numbered after the plan's, its sizes decided as make_plan decides them. Raises
+    :class:`ValueError` naming what is wrong (a file that is not a model)."""
+    cls = _backend_cls(registry, config)
+    try:
+        shape = cls.model_shape(config.path)
+    except ModelFileError as e:
+        raise ValueError(str(e)) from None
+    ledgers = _ledgers([(decide_sizes(config, shape), shape, cls)], plan.processes)
+    first = len(plan.replicas)
+    added = tuple(attrs.evolve(r, replica=first + i) for i, r in enumerate(ledgers))
+    return attrs.evolve(plan, replicas=(*plan.replicas, *added), suggestions=())
+
+
 def decided_manifest(manifest: Manifest, plan: Plan) -> Manifest:
     """The manifest with every model's sizes as the plan decided them."""
     by_name = {r.model: r.config for r in plan.replicas}

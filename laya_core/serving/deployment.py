@@ -114,27 +114,50 @@ class Deployment:
             cluster.engine, processes, cluster.address, cluster.worker_timeout_s,
             worker_plugins, {r.replica: r.total_bytes for r in plan.replicas} if plan else {})
         self.processes = transports.apart
+        self._transports = transports
         transports.connect()  # Ray's cluster, where replicas run there
-        for config in manifest.models:
-            self.models[config.name] = config
-            self.block_sizes[config.name] = registry.backends[config.backend].obj.block_size
-            apart = transports.runs_apart(config, registry.backends[config.backend].obj)
-            for index in range(config.replicas):
-                replica = len(self.clients)
-                make = functools.partial(
-                    replica_client, config, replica, registry, transports, apart,
-                    self._changed, self._worker_loaded, self._loaded, index)
-                self._make_client.append(make)
-                self.clients.append(make())
-                self.router.add_replica(config.name, replica)
-                if config.on_demand:  # no requests until it has loaded
-                    self.router.set_state(replica, ReplicaState.DOWN)
-            self.router.set_policy(config.name, config.routing)
-        self.residency = Residency(self, [
-            Resident(m.name, plan.model_bytes(m.name) if plan else 0, m.queue_timeout_s,
-                     m.idle_unload_s) for m in manifest.models if m.on_demand],
-            plan.budget.bytes if plan else None,
+        self.residency = Residency(
+            self, [], plan.budget.bytes if plan else None,
             plan.runtime_bytes + sum(r.total_bytes for r in plan.pinned) if plan else 0)
+        for config in manifest.models:
+            self._add(config)
+
+    def _add(self, config: ModelConfig) -> None:
+        """Make the model's replicas (not started) and give them to the router. The lists
+        and maps the HTTP side reads are replaced whole, never changed in place: a model
+        found while serving is added on another thread."""
+        registry = self.registry
+        cls = registry.backends[config.backend].obj
+        apart = self._transports.runs_apart(config, cls)
+        clients, makers = list(self.clients), list(self._make_client)
+        for index in range(config.replicas):
+            make = functools.partial(
+                replica_client, config, len(clients), registry, self._transports, apart,
+                self._changed, self._worker_loaded, self._loaded, index)
+            makers.append(make)
+            clients.append(make())
+        self._make_client, self.clients = makers, clients
+        self.block_sizes = {**self.block_sizes, config.name: cls.block_size}
+        for client in clients[-config.replicas:]:
+            self.router.add_replica(config.name, client.replica_id)
+            if config.on_demand:  # no requests until it has loaded
+                self.router.set_state(client.replica_id, ReplicaState.DOWN)
+        self.router.set_policy(config.name, config.routing)
+        if config.on_demand:
+            self.residency.add(Resident(
+                config.name, self.plan.model_bytes(config.name) if self.plan else 0,
+                config.queue_timeout_s, config.idle_unload_s))
+        self.models = {**self.models, config.name: config}
+
+    def add_model(self, config: ModelConfig, plan: Plan | None) -> None:
+        """Serve one more model, loaded on demand (one found while serving: ``laya serve
+        --models-dir``); ``plan``: this deployment's plan with it (planner.plan_added)."""
+        if not config.on_demand:
+            raise ValueError(f"{config.name}: a model added while serving loads on demand")
+        if config.name in self.models:
+            raise ValueError(f"a model named {config.name!r} is served already")
+        self.plan = plan
+        self._add(config)
 
     @property
     def engines(self) -> list[Engine]:

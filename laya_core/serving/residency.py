@@ -123,11 +123,24 @@ class Residency:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # a model unloaded or went idle
         self._stopping = threading.Event()
+        self._started = False
         self._timer = threading.Thread(target=self._watch, daemon=True,
                                        name="laya-residency")
 
+    def add(self, resident: Resident) -> None:
+        """One more on-demand model (the mapping is replaced whole: others read it)."""
+        with self._lock:
+            self.residents = {**self.residents, resident.name: resident}
+            start = self._started and not self._timer.is_alive()
+        if start:
+            self._timer.start()
+
     def start(self) -> None:
-        if self.residents:
+        """Start the idle timer, now or once there is an on-demand model."""
+        with self._lock:
+            self._started = True
+            start = bool(self.residents)
+        if start:
             self._timer.start()
 
     def stop(self) -> None:

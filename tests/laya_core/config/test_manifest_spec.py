@@ -39,6 +39,7 @@ def section(title: str) -> set[str]:
     ("`[router]`", mf.ROUTER_KEYS),
     ("`[cluster]`", mf.CLUSTER_KEYS),
     ("`[[models]]`", mf.MODEL_KEYS),
+    ("`[models_dir]`", ("path",)),  # and the [[models]] keys, each model's
 ])
 def test_every_table_key_is_documented_and_only_those(title: str, keys: tuple[str, ...]) -> None:
     doc = section(title)
@@ -87,6 +88,7 @@ def test_the_manifest_with_every_key_holds_every_key_and_passes_check(
     folder.mkdir()
     (folder / "laya.toml").write_text(block.group(1))
     (folder / "keys.txt").write_text("sk-laya-from-the-file\n")
+    (folder / "models").mkdir()  # [models_dir]: empty, as it may start
     monkeypatch.setenv("LAYA_EXTRA_KEYS", "sk-laya-from-the-env")
     monkeypatch.chdir(tmp_path)  # api_keys_file is the manifest folder's, not the cwd's
     manifest = mf.resolve(mf.load(folder / "laya.toml"), load_registry())
