@@ -109,3 +109,22 @@ def test_int4_keeps_the_q4_1_files_own_weights() -> None:
         assert torch.allclose(matrix(x.bfloat16()).float(), exact, rtol=0.02,
                               atol=0.02 * float(exact.abs().max()))
     assert not wanted
+
+
+def test_the_q4_1_blocks_reach_the_int4_kernel_as_stored() -> None:
+    """Read as stored, a Q4_1 matrix is its blocks' values exactly (no dequantizing and
+    quantizing again), and the int4 matrix made of it holds them up to bfloat16's rounding of
+    each block's scale and zero."""
+    from laya_backend_torch.packed import GroupQuant
+
+    checkpoint = open_checkpoint(embedded_file("smollm2-135m-instruct"))
+    wanted = ("model.layers.0.self_attn.k_proj.weight", "model.layers.5.mlp.gate_proj.weight")
+    dense = dict(t for t in checkpoint.tensors() if t[0] in wanted)
+    stored = dict(t for t in checkpoint.tensors(as_stored=True) if t[0] in wanted)
+    for name in wanted:
+        weight = stored[name]
+        assert isinstance(weight, GroupQuant) and weight.group_size == 32
+        assert torch.allclose(weight.dequantize(), dense[name], atol=1e-6), name  # un-permuted too
+        held = Int4Linear.of(weight, None, torch.bfloat16, torch.device("cpu")).dequantized()
+        step = weight.scales.T.repeat_interleave(32, dim=1)  # each weight's block scale
+        assert float(((held - dense[name]).abs() / step).max()) < 0.6, name

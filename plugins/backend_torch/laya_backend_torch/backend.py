@@ -96,7 +96,8 @@ class TorchBackend(Backend):
         self._tokenizer = tok = load_tokenizer(self.config.path)
         max_positions = max(self.config.max_seq_len or 4096, 16)
         with torch.inference_mode():
-            tensors = memory.as_kept(checkpoint.tensors(), self._dtype,
+            tensors = memory.as_kept(checkpoint.tensors(as_stored=chosen.quantize == "int4"),
+                                     self._dtype,
                                      chosen.quantize != "none",
                                      cfg.tie_word_embeddings)
             self._model = LlamaModel(cfg, tensors, self._dtype, self._device,

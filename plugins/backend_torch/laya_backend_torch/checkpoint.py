@@ -141,11 +141,15 @@ class Checkpoint:
         """Hugging Face name -> shape of every tensor, in the order ``tensors()`` yields."""
         return self.config.tensor_shapes()
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, as_stored: bool = False) -> Iterator[tuple[str, Any]]:
         """(Hugging Face name, tensor) in ``shapes`` order, each read when it is reached:
         quantized GGUF tensors dequantized to float32, F32/F16/BF16 kept in their dtype, GGUF
-        Q and K (weights and biases) un-permuted."""
-        return self._source.tensors(self.config)
+        Q and K (weights and biases) un-permuted. ``as_stored``: a GGUF layer's 4-bit
+        matrix comes as its blocks hold it (a ``packed.GroupQuant``), for the int4 kernel;
+        a packed folder's projections always do."""
+        if isinstance(self._source, _HFFolder):
+            return self._source.tensors(self.config)
+        return self._source.tensors(self.config, as_stored)
 
 
 def open_checkpoint(path: str) -> Checkpoint:

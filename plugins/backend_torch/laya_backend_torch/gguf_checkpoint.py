@@ -30,6 +30,7 @@ from laya_backend_torch.checkpoint import (
     check_tensor_names,
     llama3_rope_factors,
 )
+from laya_backend_torch.packed import GroupQuant
 from laya_core.models.checks import ModelFileError
 from laya_core.models.gguf_header import HeaderRunsOut, read_gguf_header
 
@@ -40,6 +41,8 @@ __all__ = ["GGUFFile"]
 _PERMUTED = {"llama", "mistral"}
 _GGUF_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16,
                Q.Q8_0: None, Q.Q4_0: None, Q.Q4_1: None}  # None: dequantized to float32
+# 4-bit block types a layer's matrices are kept in as stored (four_bit_groups).
+_FOUR_BIT = (Q.Q4_0, Q.Q4_1)
 # How the layers' matrices of each stored type are kept by quantize = "auto".
 _QUANTIZATION = {Q.Q4_0: "int4", Q.Q4_1: "int4", Q.Q8_0: "int8"}
 _LAYER_NAMES = {  # GGUF name in block i -> Hugging Face name under model.layers.{i}.
@@ -206,7 +209,13 @@ class GGUFFile:
         return (f"GGUF: {len(ts)} tensors, {most(matrices)} (token_embd {embd}, "
                 f"norms {most([t for t in ts if t.name.endswith('norm.weight')])})")
 
-    def tensors(self, config: LlamaConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, config: LlamaConfig, as_stored: bool = False
+                ) -> Iterator[tuple[str, Any]]:
+        """Each tensor by its Hugging Face name, Q and K rows back in Hugging Face's order;
+        quantized ones dequantized to float32, except with ``as_stored`` a layer's 4-bit
+        matrix (Q4_0, Q4_1), which comes as its blocks hold it (``GroupQuant``: its 4-bit
+        values, and each block's scale and offset) for the int4 kernel to take as they are:
+        no error added, and no time spent dequantizing and quantizing again."""
         from gguf.quants import dequantize
 
         data = np.memmap(self.path, dtype=np.uint8, mode="r")
@@ -216,16 +225,51 @@ class GGUFFile:
             # A plain array, not a memmap: gguf's dequantize slices it per row, and every
             # memmap slice costs a Python object (1.8 of the load's 8 s, profiled).
             raw = np.asarray(data[t.offset:t.offset + t.nbytes])
-            if (dtype := _GGUF_TYPES[t.type]) is None:  # rows of blocks -> float32 [out, in]
+            tensor: Any
+            if as_stored and t.type in _FOUR_BIT and name.endswith("_proj.weight") \
+                    and len(t.shape) == 2:
+                tensor = four_bit_groups(raw, t.shape, t.type)
+            elif (dtype := _GGUF_TYPES[t.type]) is None:  # rows of blocks -> float32 [out, in]
                 rows = raw.reshape(t.shape[0] if len(t.shape) > 1 else 1, -1)
                 tensor = torch.from_numpy(dequantize(rows, t.type).reshape(t.shape))
             else:  # copied out of the read-only map, then seen as its dtype
                 tensor = torch.frombuffer(bytearray(raw), dtype=dtype).reshape(t.shape)
             if permuted and ".self_attn.q_proj." in name:
-                tensor = _unpermute(tensor, config.num_heads)
+                tensor = _unpermute_any(tensor, config.num_heads)
             elif permuted and ".self_attn.k_proj." in name:
-                tensor = _unpermute(tensor, config.num_kv_heads)
+                tensor = _unpermute_any(tensor, config.num_kv_heads)
             yield name, tensor
+
+
+def four_bit_groups(raw: np.ndarray, shape: tuple[int, ...], kind: Q) -> GroupQuant:
+    """A Q4_0 or Q4_1 matrix [out, in] as stored: 32 inputs per block, a block of Q4_0 a
+    float16 scale d and 16 bytes of 4-bit values (``w = d x (q - 8)``), of Q4_1 a scale d, a
+    minimum m and the values (``w = d x q + m``). Byte j of a block holds value j in its low
+    half and value 16 + j in its high half."""
+    out_features, in_features = shape
+    header = 2 if kind == Q.Q4_0 else 4
+    blocks = raw.reshape(out_features, in_features // 32, header + 16)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [out, groups]
+    packed = blocks[..., header:]
+    q = np.concatenate((packed & 15, packed >> 4), axis=-1).reshape(out_features, in_features)
+    if kind == Q.Q4_0:
+        zeros = np.full_like(d, 8.0)
+    else:  # d x q + m = d x (q - z) for z = -m / d; a block of one value has d = 0
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        d = np.maximum(d, np.float32(1e-12)) if not (d > 0).all() else d
+        zeros = -m / d
+    return GroupQuant(torch.from_numpy(q), torch.from_numpy(np.ascontiguousarray(d.T)),
+                      torch.from_numpy(np.ascontiguousarray(zeros.T)),
+                      torch.arange(in_features) // 32, 32, 4)
+
+
+def _unpermute_any(w: Any, n_head: int) -> Any:
+    """:func:`_unpermute` of a dense matrix, or of a GroupQuant's rows (its outputs)."""
+    if not isinstance(w, GroupQuant):
+        return _unpermute(w, n_head)
+    rows = _unpermute(torch.arange(w.q.shape[0])[:, None], n_head)[:, 0]
+    return GroupQuant(w.q[rows], w.scales[:, rows], w.zeros[:, rows], w.g_idx, w.group_size,
+                      w.bits)
 
 
 

@@ -260,7 +260,9 @@ def as_kept(tensors: Iterator[tuple[str, Any]], dtype: Any, quantized: bool,
     SmolLM2-135M in int8 (128 MiB of weights)."""
     heads = ("lm_head.weight", "model.embed_tokens.weight") if tied else ("lm_head.weight",)
     for name, tensor in tensors:
-        if not (quantized and (name.endswith("_proj.weight") or name in heads)):
+        # A GroupQuant (a 4-bit matrix as stored) is kept as it is: each matrix kind takes it.
+        if hasattr(tensor, "to") and not (
+                quantized and (name.endswith("_proj.weight") or name in heads)):
             tensor = tensor.to(dtype)
         yield name, tensor
         release_freed_heap()
