@@ -173,3 +173,64 @@ def test_a_load_error_fails_at_once_without_restarts(monkeypatch: pytest.MonkeyP
         assert d.clients[0].runtime()["restarts"] == 0
     finally:
         d.stop()
+
+
+def on_demand(monkeypatch: pytest.MonkeyPatch, **models: dict[str, object]) -> Deployment:
+    """Toy models loaded on demand, each in worker processes, with their options."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [TESTS, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    registry = load_registry([PLUGIN])
+    manifest = mf.from_dict({"cluster": {"engine": "process"}, "models": [{
+        "name": name, "backend": "toy", "path": "-", "max_seq_len": 256, "max_num_seqs": 2,
+        "load": "on_demand", "options": options} for name, options in models.items()]})
+    d = Deployment(manifest, registry, worker_plugins=["toy_backend:PLUGIN"])
+    d.start()
+    return d
+
+
+async def ask_on_demand(d: Deployment, name: str) -> str:
+    await d.residency.acquire(name)
+    try:
+        client = d.any_client(name)
+        stream = await client.submit(client.tokenizer().encode("hi ", add_special=True),
+                                     SamplingParams(max_tokens=4, temperature=0))
+    finally:
+        d.residency.release(name)
+    return "".join([e.text async for e in stream])
+
+
+def test_an_on_demand_worker_that_crashes_at_every_load_fails_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from laya_core.serving.residency import LoadFailedError
+
+    monkeypatch.setattr("laya_core.replica.supervisor.BACKOFF_S", (0.05,))
+    d = on_demand(monkeypatch, bad={"crash_load": True}, good={})
+    try:
+        with pytest.raises(LoadFailedError, match=f"died while loading {MAX_LOAD_CRASHES}"):
+            asyncio.run(ask_on_demand(d, "bad"))
+        assert d.residency.status("bad")["status"] == "failed"  # type: ignore[index]
+        assert d.clients[0].state().state is EngineState.STOPPED  # its worker is gone
+        assert asyncio.run(ask_on_demand(d, "good")) == "hi h"  # the other is unaffected
+    finally:
+        d.stop()
+
+
+def test_a_worker_killed_during_its_on_demand_load_is_started_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("laya_core.replica.supervisor.BACKOFF_S", (0.05,))
+    d = on_demand(monkeypatch, slow={"load_delay_s": 1.5})
+    try:
+        async def go() -> str:
+            asking = asyncio.create_task(ask_on_demand(d, "slow"))
+            while (pid := getattr(d.clients[0], "pid", None)) is None:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)  # in its load
+            os.kill(pid, signal.SIGKILL)
+            return await asking
+
+        assert asyncio.run(go()) == "hi h"  # the load went on in a new worker
+        status = d.residency.status("slow")
+        assert status is not None and status["status"] == "loaded" and status["loads"] == 1
+        assert d.clients[0].runtime()["restarts"] == 1
+    finally:
+        d.stop()
