@@ -12,7 +12,7 @@ from laya_core.http.errors import QUEUE_RETRY_AFTER_S, APIError
 from laya_core.replica.client import EngineClient
 from laya_core.routing.router import NoRouteError
 from laya_core.serving.deployment import Deployment, ModelUnavailableError, UnknownModelError
-from laya_core.serving.residency import LoadFailedError, NoRoomError
+from laya_core.serving.residency import LoadFailedError, LoadQueueFullError, NoRoomError
 
 
 def client_for(deployment: Deployment, name: str, param: str = "model") -> EngineClient:
@@ -44,6 +44,9 @@ async def ready_client(deployment: Deployment, name: str,
                        code="model_failed") from None
     except NoRoomError as e:
         raise APIError(503, f"{e}; retry later", code="no_room",
+                       retry_after=QUEUE_RETRY_AFTER_S) from None
+    except LoadQueueFullError as e:
+        raise APIError(429, f"{e}; retry later", code="queue_full",
                        retry_after=QUEUE_RETRY_AFTER_S) from None
     try:
         yield client_for(deployment, name, param), waited

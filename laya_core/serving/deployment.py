@@ -146,7 +146,7 @@ class Deployment:
         if config.on_demand:
             self.residency.add(Resident(
                 config.name, self.plan.model_bytes(config.name) if self.plan else 0,
-                config.queue_timeout_s, config.idle_unload_s))
+                config.queue_timeout_s, config.idle_unload_s, config.max_queue))
         self.models = {**self.models, config.name: config}
 
     def add_model(self, config: ModelConfig, plan: Plan | None) -> None:

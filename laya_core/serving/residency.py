@@ -53,6 +53,10 @@ class NoRoomError(RuntimeError):
     """No room could be made for the model within its wait: every resident model is busy."""
 
 
+class LoadQueueFullError(RuntimeError):
+    """As many requests wait for the model's load as its ``max_queue`` holds."""
+
+
 class LoadFailedError(RuntimeError):
     """The model's replicas did not load; the message says why."""
 
@@ -82,9 +86,11 @@ class Resident:
     planned_bytes: int  # all its replicas, as the plan counted them
     queue_timeout_s: float
     idle_unload_s: float | None
+    max_queue: int = 64  # requests that may wait for its load; more are refused
     status: Status = Status.UNLOADED
     last_used: float = 0.0  # time.monotonic() of its last request, or its last busy look
     in_use: int = 0  # requests between acquire() and release(): not yet on a replica
+    waiting: int = 0  # requests waiting for its load
     error: str | None = None
     loads: int = 0
     unloads: collections.Counter[str] = attrs.field(factory=collections.Counter)
@@ -103,6 +109,7 @@ class Resident:
                 "loads": self.loads, "unloads": dict(self.unloads),
                 "last_load_s": self.load_seconds[-1] if self.load_seconds else None,
                 "load_seconds_total": sum(self.load_seconds),
+                "waiting_for_load": self.waiting,
                 "idle_unload_s": self.idle_unload_s}
 
 
@@ -182,9 +189,18 @@ class Residency:
                     return time.perf_counter() - start if waited else 0.0
                 if resident.status is Status.FAILED:
                     raise LoadFailedError(resident.error or "it failed to load")
+                if resident.waiting >= resident.max_queue:
+                    raise LoadQueueFullError(
+                        f"{resident.waiting} requests wait for {name!r} to load (its "
+                        f"max_queue is {resident.max_queue})")
                 future = self._start_load(resident)
+                resident.waiting += 1
             waited = True
-            await asyncio.wrap_future(future)
+            try:
+                await asyncio.wrap_future(future)
+            finally:
+                with self._lock:
+                    resident.waiting -= 1
 
     def release(self, name: str) -> None:
         """A request that :meth:`acquire` let through is on its replica now, or ended."""

@@ -174,3 +174,23 @@ def test_a_load_waits_for_room_then_gives_up_when_every_model_stays_busy(
 
     asyncio.run(run())
     assert status(d, "a") == "unloaded" and status(d, "b") == "loaded"
+
+
+def test_the_requests_waiting_for_a_load_are_bounded_by_max_queue(started: Any) -> None:
+    from laya_core.serving.residency import LoadQueueFullError
+
+    d = started([model("a", load="on_demand", max_queue=2,
+                       options={"load_delay_s": 0.5})], 1)
+
+    async def run() -> None:
+        waiting = [asyncio.create_task(d.residency.acquire("a")) for _ in range(2)]
+        while d.residency.status("a")["waiting_for_load"] < 2:  # type: ignore[index]
+            await asyncio.sleep(0.005)
+        with pytest.raises(LoadQueueFullError, match="max_queue is 2"):
+            await d.residency.acquire("a")
+        await asyncio.gather(*waiting)  # the two get it once it has loaded
+        for _ in waiting:
+            d.residency.release("a")
+
+    asyncio.run(run())
+    assert status(d, "a") == "loaded"
