@@ -163,7 +163,7 @@ def snapshot(d: Deployment, window: LatencyWindow) -> dict[str, Any]:
                                _blocks(s.kv_used_tokens, block),
                                _blocks(s.kv_cached_tokens, block))
         model["replicas"].append({
-            "replica": s.replica_id, "state": s.state.value, "error": s.error,
+            "replica": s.replica_id, "state": d.replica_state(client, s), "error": s.error,
             "process": "worker" if rss is not None else "front end",
             "rss_bytes": rss() if rss is not None else None,
             "ledger": _ledger(ledgers.get(s.replica_id)),

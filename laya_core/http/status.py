@@ -15,7 +15,7 @@ def deployment_status(d: Deployment) -> dict[str, Any]:
         ledger = ledgers.get(s.replica_id)
         per_token = ledger.profile.kv_bytes_per_token if ledger else 0
         replicas.append({
-            "model": s.model, "replica": s.replica_id, "state": s.state.value,
+            "model": s.model, "replica": s.replica_id, "state": d.replica_state(client, s),
             "error": s.error, "running": s.num_running, "waiting": s.num_waiting,
             "kv_cache_capacity_tokens": s.kv_capacity_tokens,
             "kv_cache_used_tokens": s.kv_used_tokens,

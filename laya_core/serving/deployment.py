@@ -102,6 +102,7 @@ class Deployment:
         self.clients: list[EngineClient] = []
         self._make_client: list[Callable[[], EngineClient]] = []
         self._started: dict[int, float] = {}  # replica -> when its client was started
+        self._stopped = False
         self.models: dict[str, ModelConfig] = {}
         # Tokens per KV block of each model's backend (Backend.block_size), known before
         # any replica loads: the router's prefix hashes and /live's blocks count in them.
@@ -181,6 +182,8 @@ class Deployment:
         self.residency.start()
 
     def _start(self, client: EngineClient) -> None:
+        if self._stopped:  # a load that raced the shutdown starts nothing
+            raise RuntimeError("the server is shutting down")
         self._started[client.replica_id] = time.monotonic()
         if isinstance(client, LocalEngineClient):
             client.engine.start()
@@ -201,6 +204,7 @@ class Deployment:
         return any(c.state().state is EngineState.LOADING for c in self._pinned())
 
     def stop(self) -> None:
+        self._stopped = True
         self.residency.stop()
         self._stop([c for c in self.clients if c.replica_id in self._started])
         self.prompts.close()
@@ -260,6 +264,16 @@ class Deployment:
         up = worker.state().state is EngineState.READY
         self.router.set_state(worker.replica_id,
                               ReplicaState.UP if up else ReplicaState.DOWN)
+
+    def replica_state(self, client: EngineClient, state: ReplicaSnapshot) -> str:
+        """What /ready and /live say of a replica's state: its engine's, or for a model
+        loaded on demand and not loaded now, the model's (``unloaded``, ``failed``)."""
+        resident = self.residency.status(client.model)
+        if resident is not None and client.replica_id not in self._started:
+            return str(resident["status"])
+        if resident is not None and resident["status"] in ("unloaded", "failed"):
+            return str(resident["status"])
+        return state.state.value
 
     def snapshot(self) -> DeploymentSnapshot:
         """Every replica's state now, and the front end's refusals (one read of each)."""

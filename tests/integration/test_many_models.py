@@ -85,6 +85,8 @@ def test_four_models_in_the_room_of_two(tmp_path: Path) -> None:
                 f"[memory]\nbudget = {budget}\n" + entries())
     with serving(manifest, tmp_path) as server:
         assert {m["status"] for m in models(server.url).values()} == {"unloaded"}
+        ready = httpx.get(f"{server.url}/ready").json()  # ready, with nothing loaded
+        assert ready["ready"] and {r["state"] for r in ready["replicas"]} == {"unloaded"}
         sampler = TreeSampler(server.proc.pid)
         sampler.start()
         stop_watch = threading.Event()
