@@ -50,7 +50,9 @@ def cmd_check(args: argparse.Namespace, registry: Registry) -> int:
     for m in planner.decided_manifest(manifest, plan).models:
         print(f"ok: {m.name}: backend {m.backend}, {m.path}, max_seq_len {m.max_seq_len}, "
               f"max_num_seqs {m.max_num_seqs}, kv_cache_tokens {m.kv_cache_tokens}, "
-              f"replicas {m.replicas}, max_queue {m.max_queue}")
+              f"replicas {m.replicas}, max_queue {m.max_queue}"
+              + (f", load on_demand (idle_unload_s {m.idle_unload_s:g})" if m.idle_unload_s
+                 else ", load on_demand" if m.on_demand else ""))
     if not plan.fits:
         print(f"laya: the plan does not fit its memory budget.\n{planner.format_plan(plan)}",
               file=sys.stderr)

@@ -165,8 +165,22 @@ def _largest(fits: Callable[[int], bool], low: int, high: int) -> int | None:
 
 def _suggestions(configs: list[tuple[ModelConfig, ModelShape, type[Backend]]],
                  budget: budget_mod.Budget, processes: bool = False) -> list[str]:
-    out = [line for i in range(len(configs))
-           for line in _suggest_for(i, configs, budget, processes)]
+    if not any(c[0].on_demand for c in configs):
+        out = [line for i in range(len(configs))
+               for line in _suggest_for(i, configs, budget, processes)]
+    else:  # the pinned models must fit together, and each on-demand one beside them
+        pinned_at = [i for i, c in enumerate(configs) if not c[0].on_demand]
+        pinned = [configs[i] for i in pinned_at]
+        out = []
+        if not _plan_for(pinned, budget, processes).fits:
+            for j, i in enumerate(pinned_at):
+                out += _suggest_for(j, pinned, budget, processes, f"models[{i}]")
+        else:
+            for i, entry in enumerate(configs):
+                alone = [*pinned, entry]
+                if entry[0].on_demand and not _plan_for(alone, budget, processes).fits:
+                    out += _suggest_for(len(alone) - 1, alone, budget, processes,
+                                        f"models[{i}]")
     if not out:
         out.append(f"nothing within these models fits {fmt_bytes(budget.bytes)}: the weights "
                    "and fixed overheads alone are too large; use a smaller or more quantized "
@@ -175,8 +189,10 @@ def _suggestions(configs: list[tuple[ModelConfig, ModelShape, type[Backend]]],
 
 
 def _suggest_for(i: int, configs: list[tuple[ModelConfig, ModelShape, type[Backend]]],
-                 budget: budget_mod.Budget, processes: bool = False) -> list[str]:
-    """Settings of model i that make the plan fit, the others unchanged."""
+                 budget: budget_mod.Budget, processes: bool = False,
+                 key: str | None = None) -> list[str]:
+    """Settings of model i that make the plan fit, the others unchanged; ``key``: how the
+    lines name the model (``models[i]``)."""
     config, shape, cls = configs[i]
 
     def fits_with(**changes: Any) -> bool:
@@ -189,7 +205,7 @@ def _suggest_for(i: int, configs: list[tuple[ModelConfig, ModelShape, type[Backe
         return fits_with(max_seq_len=length, kv_cache_tokens=length * seqs,
                          max_step_tokens=step_tokens)
 
-    out, key = [], f"models[{i}]"
+    out, key = [], key or f"models[{i}]"
     seqs, seq_len = config.max_num_seqs or 1, config.max_seq_len or _SEQ_LEN_STEP
     steps = _largest(fits_len, 1, (seq_len - 1) // _SEQ_LEN_STEP)
     if steps:
@@ -260,8 +276,8 @@ def format_plan(plan: Plan) -> str:
             f"pinned               {fmt_bytes(sum(r.total_bytes for r in plan.pinned)):>12}"
             f"   load = always: {', '.join(pinned) or 'none'}",
             f"largest on demand    {fmt_bytes(plan.model_bytes(largest)):>12}   {largest}, "
-            f"of {len(on_demand)} loaded on demand ({', '.join(on_demand)}): each fits beside "
-            "the pinned ones; the total counts the largest",
+            f"of {len(on_demand)} loaded on demand ({', '.join(on_demand)}): each must fit "
+            "beside the pinned ones; the total counts the largest",
         ]
     lines += [
         f"total                {fmt_bytes(plan.total_bytes):>12}",
@@ -271,6 +287,8 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"fits: {fmt_bytes(plan.budget.bytes - plan.total_bytes)} to spare")
     else:
         lines.append(f"DOES NOT FIT: {fmt_bytes(plan.total_bytes - plan.budget.bytes)} over "
-                     "budget. Any one of these would fit:")
+                     "budget. " + ("Any one of these would fit:" if plan.largest_on_demand is None
+                                   else "Each model named needs one of its lines (the pinned "
+                                   "models must fit together, each on-demand one beside them):"))
         lines += [f"  {s}" for s in plan.suggestions]
     return "\n".join(lines)

@@ -173,3 +173,25 @@ def test_the_plan_prices_kv_with_the_backends_own_types() -> None:
     tight = fp16.total_bytes - fp16.kv_pool_bytes + fp16.kv_pool_bytes * 3 // 4
     suggestions = plan(str(tight), "fp16").suggestions
     assert 'models[0].kv_cache_dtype = "q8" (a smaller KV element type)' in suggestions
+
+
+def test_on_demand_models_fit_one_at_a_time_beside_the_pinned_ones(tmp_path: Path) -> None:
+    def entry(name: str, seq_len: int, load: str = "on_demand") -> dict[str, object]:
+        return {"name": name, "path": "embedded:smollm2-135m-instruct", "backend": "llamacpp",
+                "max_seq_len": seq_len, "max_num_seqs": 4, "load": load}
+
+    models = [entry("pinned", 1024, "always"), entry("small", 1024), entry("large", 4096)]
+    everything = plan_of(models)
+    one = {m: everything.model_bytes(m) for m in ("pinned", "small", "large")}
+    assert everything.largest_on_demand == "large"
+    assert everything.total_bytes < everything.runtime_bytes + sum(one.values())  # not all
+    budget = everything.total_bytes  # room for the pinned one and the largest
+    assert budget <= everything.runtime_bytes + one["pinned"] + one["large"]
+    plan = plan_of(models, budget=budget)  # type: ignore[arg-type]
+    assert plan.fits and plan.total_bytes <= budget
+    assert {r.model for r in plan.peak} == {"pinned", "large"}
+    tight = plan_of(models, budget=budget - 1)  # type: ignore[arg-type]
+    assert not tight.fits
+    assert tight.suggestions and all(s.startswith("models[2].") for s in tight.suggestions)
+    text = planner.format_plan(tight)
+    assert "largest on demand" in text and "Each model named needs one of its lines" in text
