@@ -77,7 +77,8 @@ def torch_reference(dtype: str, quantize: str) -> Reference:
     from laya_backend_torch.model import LlamaModel, build_batch
 
     checkpoint = open_checkpoint(embedded_file("smollm2-135m-instruct"))
-    model = LlamaModel(checkpoint.config, checkpoint.tensors(), getattr(torch, dtype),
+    tensors = checkpoint.tensors(as_stored=quantize == "int4")  # as the backend reads them
+    model = LlamaModel(checkpoint.config, tensors, getattr(torch, dtype),
                        torch.device("cpu"), quantize=quantize, max_positions=512,
                        attention_dtype=torch.float64)  # as the server's deterministic
     block_size = BLOCK_SIZE

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import math
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -206,6 +207,10 @@ def test_a_cancelled_job_is_skipped(deployment: Deployment) -> None:
     assert len(first.vectors) == len(ahead) and len(last.vectors) == len(after)
     assert backend.embedded[fed_before:] == ahead + after
     assert engine.embedded_tokens - tokens_before == sum(map(len, ahead + after))
+    # The cancelled job leaves the queue on the engine's thread, soon after: wait for it.
+    deadline = time.monotonic() + 30
+    while deployment.clients[0].state().num_waiting and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert deployment.clients[0].state().num_waiting == 0
 
 
