@@ -269,26 +269,9 @@ class Residency:
     def _load(self, resident: Resident) -> None:
         assert resident.load is not None
         future = resident.load
-        deadline = self._clock() + resident.queue_timeout_s
+        error: BaseException | None = None
         try:
-            while True:
-                with self._lock:
-                    if self._stopping.is_set():
-                        raise NoRoomError("the server is shutting down")
-                    if resident.status is Status.UNLOADED and self._room_for(resident):
-                        resident.status = Status.LOADING
-                        break
-                    victim = None if resident.status is Status.UNLOADING \
-                        else self._victim(resident)
-                    if victim is not None:
-                        victim.status = Status.UNLOADING
-                    elif self._clock() >= deadline:
-                        raise NoRoomError(self._no_room(resident))
-                    else:
-                        self._changed.wait(TICK_S)
-                        continue
-                log.info("unloading %s for %s's room", victim.name, resident.name)
-                self._unload(victim, "evicted")
+            self._make_room(resident)
             started = self._clock()
             why = self.host.load_model(resident.name)
             took = self._clock() - started
@@ -303,21 +286,47 @@ class Residency:
             if why is None:
                 self.host.set_routable(resident.name, True)
                 log.info("%s loaded on demand in %.1f s", resident.name, took)
-                future.set_result(None)
             else:
                 log.error("%s failed to load: %s", resident.name, why)
-                future.set_exception(LoadFailedError(why))
+                error = LoadFailedError(why)
         except NoRoomError as e:
-            future.set_exception(e)
+            error = e
         except BaseException as e:  # noqa: BLE001 - the waiting requests hear of it
             log.exception("loading %s failed", resident.name)
             with self._lock:
                 resident.status, resident.error = Status.FAILED, f"{type(e).__name__}: {e}"
-            future.set_exception(LoadFailedError(resident.error))
-        finally:
+            error = LoadFailedError(resident.error)
+        finally:  # the load is over before its waiters hear how it went
             with self._changed:
                 resident.load = None
                 self._changed.notify_all()
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
+
+    def _make_room(self, resident: Resident) -> None:
+        """Unload the least recently used idle models until ``resident`` fits, and mark it
+        loading; raises NoRoomError when its queue_timeout_s passes first."""
+        deadline = self._clock() + resident.queue_timeout_s
+        while True:
+            with self._lock:
+                if self._stopping.is_set():
+                    raise NoRoomError("the server is shutting down")
+                if resident.status is Status.UNLOADED and self._room_for(resident):
+                    resident.status = Status.LOADING
+                    return
+                victim = None if resident.status is Status.UNLOADING \
+                    else self._victim(resident)
+                if victim is not None:
+                    victim.status = Status.UNLOADING
+                elif self._clock() >= deadline:
+                    raise NoRoomError(self._no_room(resident))
+                else:
+                    self._changed.wait(TICK_S)
+                    continue
+            log.info("unloading %s for %s's room", victim.name, resident.name)
+            self._unload(victim, "evicted")
 
     def _no_room(self, resident: Resident) -> str:
         busy = sorted(r.name for r in self.residents.values()
