@@ -59,6 +59,11 @@ class ModelConfig:
     # the room), by the memory plan (laya_core/serving/residency.py).
     load: str = "always"
     idle_unload_s: float | None = None
+    # How the model writes its reasoning (laya_core/structured/reasoning.py): "auto" (what
+    # its chat template shows), "think" or "none"; and the default thinking budget in tokens
+    # (None: none).
+    reasoning_format: str = "auto"
+    max_reasoning_tokens: int | None = None
 
     @property
     def on_demand(self) -> bool:

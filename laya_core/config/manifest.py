@@ -38,6 +38,7 @@ from laya_core.config.table import (
 )
 from laya_core.replica.worker_link import DEFAULT_SILENCE_S
 from laya_core.routing.router import POLICIES
+from laya_core.structured.reasoning import REASONING_FORMATS
 from laya_core.structured.tool_formats import FORMATS as TOOL_FORMATS
 
 __all__ = ["AUTO_BACKEND", "CLUSTER_KEYS", "EMBEDDED_MODEL", "ENGINE_KINDS",
@@ -142,7 +143,8 @@ LOAD_MODES = ("always", "on_demand")
 MODEL_KEYS = ("name", "backend", "path", "max_seq_len", "max_num_seqs", "kv_cache_tokens",
               "kv_cache_dtype", "prefix_caching", "routing", "replicas", "max_step_tokens",
               "max_queue", "queue_timeout_s", "scheduler", "cache_policy", "embeddings",
-              "tool_call_format", "load", "idle_unload_s", "options")
+              "tool_call_format", "reasoning_format", "max_reasoning_tokens", "load",
+              "idle_unload_s", "options")
 
 
 def _name_problem(v: str) -> str | None:
@@ -192,6 +194,10 @@ def _model(data: Any, index: int, base_dir: Path, problems: Problems) -> ModelCo
     tool_call_format = t.get("tool_call_format", str, "auto", check=lambda v: None
                              if v == "auto" or v in TOOL_FORMATS else
                              "must be auto or one of " + ", ".join(TOOL_FORMATS))
+    reasoning_format = t.get("reasoning_format", str, "auto", check=lambda v: None
+                             if v in REASONING_FORMATS else
+                             "must be " + ", ".join(REASONING_FORMATS))
+    max_reasoning_tokens = t.int_in("max_reasoning_tokens", 1, 1 << 30, None)
     load = t.get("load", str, "always", check=lambda v: None if v in LOAD_MODES else
                  "must be " + " or ".join(f'"{m}"' for m in LOAD_MODES))
     idle_unload_s = t.get("idle_unload_s", (int, float), None,
@@ -208,7 +214,8 @@ def _model(data: Any, index: int, base_dir: Path, problems: Problems) -> ModelCo
                        kv_cache_dtype, prefix_caching, routing, max_queue,
                        float(queue_timeout_s), options, embeddings, tool_call_format,
                        load or "always",
-                       None if idle_unload_s is None else float(idle_unload_s))
+                       None if idle_unload_s is None else float(idle_unload_s),
+                       reasoning_format or "auto", max_reasoning_tokens)
 
 
 def _from_dict(data: Mapping[str, Any], source: str, base_dir: Path,

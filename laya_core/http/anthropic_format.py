@@ -13,6 +13,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from laya_core.http.errors import APIError
+from laya_core.structured.reasoning import ThinkParser
 from laya_core.structured.tool_parsers import CallParser
 from laya_core.types import FinishReason
 
@@ -83,13 +84,18 @@ def _input(arguments: str) -> Any:
     return value if isinstance(value, dict) else {}
 
 
-def content_blocks(text: str, parser: CallParser | None) -> list[dict[str, Any]]:
-    """The message's content: its text, and with tools the calls as tool_use blocks."""
+def content_blocks(text: str, parser: CallParser | None,
+                   reasoning: str | None = None) -> list[dict[str, Any]]:
+    """The message's content: a reasoning model's thinking, its text, and with tools the
+    calls as tool_use blocks."""
+    thinking = [{"type": "thinking", "thinking": reasoning, "signature": ""}] \
+        if reasoning else []
     if parser is None:
-        return [{"type": "text", "text": text}] if text else []
+        return thinking + ([{"type": "text", "text": text}] if text else [])
     pieces = parser.feed(text) + parser.finish()
     content = "".join(v for kind, v in pieces if kind == "content")
-    blocks: list[dict[str, Any]] = [{"type": "text", "text": content}] if content else []
+    blocks: list[dict[str, Any]] = thinking + (
+        [{"type": "text", "text": content}] if content else [])
     blocks += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
                 "input": _input(c["function"]["arguments"])} for c in parser.calls]
     return blocks
@@ -110,8 +116,9 @@ class StreamBlocks:
     """Turns a stream's text into content-block events: text blocks, and with tools a
     tool_use block per call whose arguments arrive as input_json deltas."""
 
-    def __init__(self, parser: CallParser | None) -> None:
+    def __init__(self, parser: CallParser | None, thinker: ThinkParser | None = None) -> None:
         self.parser = parser
+        self.thinker = thinker  # a reasoning model's: its thinking in a block of its own
         self.index = -1
         self.open: str | None = None  # the type of the block open now
 
@@ -125,7 +132,21 @@ class StreamBlocks:
     def _delta(self, delta: dict[str, Any]) -> str:
         return event("content_block_delta", {"index": self.index, "delta": delta})
 
-    def feed(self, text: str, last: bool) -> list[str]:
+    def feed(self, text: str, last: bool, tokens: int = 0) -> list[str]:
+        if self.thinker is None:
+            return self._answer(text, last)
+        out: list[str] = []
+        pieces = self.thinker.feed(text, tokens) + (self.thinker.finish() if last else [])
+        for kind, value in pieces:
+            if kind == "reasoning":
+                if self.open != "thinking":
+                    out += self._start({"type": "thinking", "thinking": "", "signature": ""})
+                out.append(self._delta({"type": "thinking_delta", "thinking": value}))
+            else:
+                out += self._answer(value, False)
+        return out + (self._answer("", True) if last else [])
+
+    def _answer(self, text: str, last: bool) -> list[str]:
         if self.parser is None:
             pieces: list[tuple[str, Any]] = [("content", text)] if text else []
         else:

@@ -3,9 +3,10 @@ request checked and translated into the chat request it means (:func:`parse_mess
 
 The translation is the whole difference: the request then runs exactly as a chat completion
 (same template, same sampling), so greedy output equals ``/v1/chat/completions``'. A field
-that would change the output and is not implemented (``thinking``, server tools, image or
-document blocks: the models served are text-only) is refused with a 400 naming it, never
-ignored. A final assistant message is a prefill: the answer continues its text (the chat
+that would change the output and is not implemented (server tools, image or document
+blocks: the models served are text-only) is refused with a 400 naming it, never ignored.
+``thinking`` reaches a reasoning model as its template's ``enable_thinking`` and its
+thinking budget; past thinking blocks stay out of the prompt. A final assistant message is a prefill: the answer continues its text (the chat
 request's ``continue_final``). Results, stream events and errors are shaped back by
 :mod:`laya_core.http.anthropic_format`.
 """
@@ -138,8 +139,7 @@ def _assistant(content: Any, param: str) -> dict[str, Any]:
             calls.append({"id": call_id, "type": "function",
                           "function": {"name": name, "arguments": dict(args)}})
         elif kind in ("thinking", "redacted_thinking"):
-            raise invalid(at, "thinking blocks are not supported by this server yet",
-                          "unsupported_content")
+            continue  # past thinking stays out of the prompt, as chat templates leave it
         elif kind in _TEXT_ONLY:
             raise _text_only(kind, at)
         else:
@@ -226,16 +226,29 @@ def _tools(body: Mapping[str, Any], chat: dict[str, Any]) -> None:
         chat["parallel_tool_calls"] = False
 
 
+def _thinking(value: Any) -> dict[str, Any]:
+    """``thinking``: enabled (with its ``budget_tokens``, the thinking budget) or disabled,
+    as the chat template's ``enable_thinking`` (Qwen3's name; a template without it is as
+    it was)."""
+    if value is None:
+        return {}
+    kind = value.get("type") if isinstance(value, Mapping) else None
+    if kind == "disabled":
+        return {"chat_template_kwargs": {"enable_thinking": False}}
+    if kind != "enabled":
+        raise invalid("thinking", 'must be {"type": "enabled", "budget_tokens": N} or '
+                      '{"type": "disabled"}')
+    budget = value.get("budget_tokens")
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise invalid("thinking.budget_tokens", "must be an integer of at least 1")
+    return {"chat_template_kwargs": {"enable_thinking": True}, "max_reasoning_tokens": budget}
+
+
 def _check_fields(body: Mapping[str, Any], known: frozenset[str]) -> None:
     for name in body:
         if name not in known:
             raise invalid(name, "this field is not supported by this server (Extra inputs "
                           "are not permitted)", "unsupported_parameter")
-    thinking = body.get("thinking")
-    if thinking is not None and not (isinstance(thinking, Mapping)
-                                     and thinking.get("type") == "disabled"):
-        raise invalid("thinking", "extended thinking is not supported by this server yet; "
-                      'remove it or send {"type": "disabled"}', "unsupported_parameter")
     config = body.get("output_config")
     if config is not None:
         if not isinstance(config, Mapping):
@@ -283,6 +296,7 @@ def parse_messages(body: Any, count_only: bool = False) -> ChatRequest:
             if metadata.get("user_id"):
                 chat["user"] = metadata["user_id"]
     _tools(body, chat)
+    chat.update(_thinking(body.get("thinking")))
     try:
         return parse_chat(chat)
     except APIError as e:

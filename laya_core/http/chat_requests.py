@@ -12,6 +12,7 @@ import attrs
 
 from laya_core.http import safe_json
 from laya_core.http.completion_requests import (
+    INT32_MAX,
     MAX_TOP_LOGPROBS,
     Body,
     ChatRequest,
@@ -19,6 +20,7 @@ from laya_core.http.completion_requests import (
     common_fields,
 )
 from laya_core.http.errors import invalid
+from laya_core.serving.chat_template import RESERVED
 from laya_core.structured.formats import JSON_KINDS
 from laya_core.structured.spec import GrammarError
 from laya_core.structured.tools import Tool, ToolUse, call_grammar
@@ -180,7 +182,27 @@ def parse_chat(body: Any) -> ChatRequest:
             common = attrs.evolve(common, constraint=call_grammar(use, answer=common.constraint))
         except GrammarError as e:
             raise invalid(e.param, str(e)) from None
-    return ChatRequest(common, messages, use, continue_final)
+    return ChatRequest(common, messages, use, continue_final, _template_vars(b),
+                       b.integer("max_reasoning_tokens", 1, INT32_MAX))
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
+def _template_vars(b: Body) -> dict[str, Any]:
+    """``chat_template_kwargs`` and ``reasoning_effort``: names for the chat template."""
+    out = dict(b.get("chat_template_kwargs", dict, {}))
+    for key in out:
+        if key in RESERVED:
+            raise invalid(f"chat_template_kwargs.{key}", f"'{key}' is the conversation's or "
+                          "the model's to set, not a template variable of the request")
+    effort = b.get("reasoning_effort", str)
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise invalid("reasoning_effort", "'reasoning_effort' must be one of "
+                          + ", ".join(REASONING_EFFORTS))
+        out["reasoning_effort"] = effort
+    return out
 
 
 def check_prefill(messages: tuple[dict[str, Any], ...], common: GenerationRequest,

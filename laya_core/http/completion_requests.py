@@ -73,6 +73,12 @@ class ChatRequest:
     # The last message is the assistant's unfinished turn, which the model continues (a
     # prefill): vLLM's continue_final_message, and Anthropic's final assistant message.
     continue_final: bool = False
+    # More names the chat template reads: chat_template_kwargs (enable_thinking, ...) and
+    # reasoning_effort.
+    template_vars: Mapping[str, Any] = attrs.field(factory=dict)
+    # A reasoning model's thinking budget: at most this many tokens of reasoning, then the
+    # answer (None: the model's manifest default, else none).
+    max_reasoning_tokens: int | None = None
 
 
 @attrs.frozen

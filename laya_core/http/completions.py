@@ -28,6 +28,7 @@ from laya_core.http.disconnect import until_disconnect
 from laya_core.http.errors import invalid
 from laya_core.http.observe import Observer
 from laya_core.http.sse import SSEResponse
+from laya_core.http.thinking import reasoning_of
 from laya_core.serving.chat_template import TemplateError
 from laya_core.serving.deployment import Deployment
 from laya_core.structured.formats import CONSTRAINT_FIELDS
@@ -81,15 +82,27 @@ class CompletionHandlers:
         if req.common.stream:
             started: set[int] = set()
             parsers = [gen.tool_parser(run, req) for run in runs] if req.tools else []
+            thinkers = [run.reasoning_parser() for run in runs]
 
             def chunk(i: int, event: Any) -> dict[str, Any]:
                 parser = parsers[i] if parsers else None
+                text, reasoning = event.text, None
+                if (thinker := thinkers[i]) is not None:  # the answer from its reasoning
+                    last = event.finish_reason is not None
+                    pieces = thinker.feed(text, len(event.token_ids)) + (
+                        thinker.finish() if last else [])
+                    reasoning = "".join(t for k, t in pieces if k == "reasoning") or None
+                    text = "".join(t for k, t in pieces if k == "content")
                 if parser is not None:  # the delta first: the last event's text may end a call
-                    delta = tool_delta(parser, event.text, event.finish_reason is not None)
+                    delta = tool_delta(parser, text, event.finish_reason is not None)
                     finish = _finish_reason(req, event.finish_reason, parser)
                 else:
                     finish = event.finish_reason.value if event.finish_reason else None
-                    delta = {"content": event.text}
+                    delta = {"content": text}
+                if reasoning is not None:  # vLLM's field for it
+                    delta = {"reasoning_content": reasoning, **delta}
+                    if not delta.get("content") and "tool_calls" not in delta:
+                        delta.pop("content", None)
                 if i not in started:
                     started.add(i)
                     delta = {"role": "assistant", **delta}
@@ -101,11 +114,14 @@ class CompletionHandlers:
         results = await self.collect(request, runs, req)
         choices = []
         for i, r in enumerate(results):
-            message: dict[str, Any] = {"role": "assistant", "content": r.text}
+            reasoning, answer = reasoning_of(runs[i], r)
+            message: dict[str, Any] = {"role": "assistant", "content": answer}
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning or None
             finish = r.finish.value
             parser = gen.tool_parser(runs[i], req)
             if parser is not None:
-                content = "".join(text for kind, text in parser.feed(r.text) + parser.finish()
+                content = "".join(text for kind, text in parser.feed(answer) + parser.finish()
                                   if kind == "content")
                 message["content"] = content if content or not parser.calls else None
                 if parser.calls:

@@ -15,10 +15,12 @@ from laya_core.engine.stream import GenerationStream
 from laya_core.http.completion_requests import ChatRequest, CompletionRequest, GenerationRequest
 from laya_core.http.errors import QUEUE_RETRY_AFTER_S, APIError, invalid, refusal
 from laya_core.http.replicas import ready_client, route
+from laya_core.http.thinking import Thinking, thinking_of
 from laya_core.kv.hashing import prefix_hashes
 from laya_core.replica.client import EngineClient, RequestTooLongError
 from laya_core.serving.deployment import Deployment
 from laya_core.serving.template_sandbox import TemplateUnavailableError
+from laya_core.structured.reasoning import ThinkParser
 from laya_core.structured.spec import GrammarError
 from laya_core.structured.tool_parsers import CallParser
 from laya_core.structured.tools import call_grammar
@@ -38,6 +40,14 @@ class Running:
     released: bool = False
     # Echo with max_tokens 0: the one token generated (to score the prompt) is not shown.
     discard_output: bool = False
+    # A reasoning model's chat: where its reasoning starts and its budget (None: no split).
+    thinking: Thinking | None = None
+
+    def reasoning_parser(self) -> ThinkParser | None:
+        """A parser of this choice's reasoning and answer; None when the model has none."""
+        if self.thinking is None:
+            return None
+        return ThinkParser(self.thinking.inside, self.thinking.budget)
 
     def release(self) -> None:
         """Cancel the sequence if still running and give the router its count back, once."""
@@ -92,10 +102,12 @@ def chat_ids(deployment: Deployment, client: EngineClient, request: ChatRequest)
     """A chat request's prompt: the template's rendering, and with ``continue_final`` the
     turn so far and then the text of the final (assistant) message, which the model
     continues (as text: no control tokens). Blocking: call it from a worker thread."""
+    variables = request.template_vars
     if not request.continue_final:
-        return deployment.chat_prompt(client, request.messages, tools=request.tools)
+        return deployment.chat_prompt(client, request.messages, tools=request.tools,
+                                      variables=variables)
     *before, last = request.messages
-    ids = deployment.chat_prompt(client, before, tools=request.tools)
+    ids = deployment.chat_prompt(client, before, tools=request.tools, variables=variables)
     return ids + client.tokenizer().encode(last["content"], add_special=False,
                                            parse_special=False)
 
@@ -183,6 +195,11 @@ async def _start(deployment: Deployment, request: ChatRequest | CompletionReques
             and deployment.tool_format(client).name != "hermes":
         req = await asyncio.to_thread(_in_model_format, deployment, request, client)
     prompts = await asyncio.to_thread(_prompts, deployment, request, client)
+    thinking = None
+    if isinstance(request, ChatRequest) and deployment.reasoning_format(client) == "think":
+        thinking = thinking_of(deployment, request, client, prompts[0][0])
+        if thinking.grammar_needed(req.constraint):
+            req = attrs.evolve(req, constraint=thinking.wrap(req.constraint))
     param = "messages" if isinstance(request, ChatRequest) else "prompt"
     limit = client.info().max_seq_len
     runs: list[Running] = []
@@ -207,6 +224,7 @@ async def _start(deployment: Deployment, request: ChatRequest | CompletionReques
                 runs.append(await _submit(deployment, req, prompt, params, text, session,
                                           discard_output=max_tokens == 0))
         for run in runs:
+            run.thinking = thinking
             await _admitted(run)
             if load_s:  # the model loaded for it: queue time, and a layer of its own
                 run.stream.waits_before.append(("load", load_s))

@@ -26,6 +26,7 @@ from laya_core.http.errors import QUEUE_RETRY_AFTER_S, APIError, invalid
 from laya_core.http.observe import Observer
 from laya_core.http.replicas import ready_client
 from laya_core.http.sse import SSEResponse
+from laya_core.http.thinking import reasoning_of
 from laya_core.serving.chat_template import TemplateError
 from laya_core.serving.deployment import Deployment
 from laya_core.serving.template_sandbox import TemplateUnavailableError
@@ -96,7 +97,8 @@ class MessageHandlers:
         parser = gen.tool_parser(runs[0], req)
         stop = fmt.matched_stop(result.text, result.token_ids, token_bytes, req.common.stop) \
             if result.finish is FinishReason.STOP else None
-        content = fmt.content_blocks(result.text, parser)  # feeds the parser, if any
+        reasoning, answer = reasoning_of(runs[0], result)
+        content = fmt.content_blocks(answer, parser, reasoning)  # feeds the parser, if any
         reason = fmt.stop_reason(result.finish, stop, parser)
         body = fmt.message(id_, model, content, reason,
                            stop if reason == "stop_sequence" else None,
@@ -110,7 +112,7 @@ class MessageHandlers:
         run = runs[0]
         prompt = len(run.prompt_token_ids)
         parser = gen.tool_parser(run, req)
-        blocks = fmt.StreamBlocks(parser)
+        blocks = fmt.StreamBlocks(parser, run.reasoning_parser())
 
         async def events() -> AsyncIterator[str]:
             timing: Timing | None = None
@@ -130,7 +132,8 @@ class MessageHandlers:
                         break
                     text.append(event.text)
                     tokens += event.token_ids
-                    for data in blocks.feed(event.text, event.finish_reason is not None):
+                    for data in blocks.feed(event.text, event.finish_reason is not None,
+                                            len(event.token_ids)):
                         yield data
                     if event.finish_reason is None:
                         continue

@@ -35,7 +35,9 @@ from laya_core.http.observe import Observer
 from laya_core.http.response_store import ResponseStore, output_messages
 from laya_core.http.responses_format import ResponsesRequest, parse_responses, renamed
 from laya_core.http.sse import SSEResponse
+from laya_core.http.thinking import reasoning_of
 from laya_core.serving.deployment import Deployment
+from laya_core.structured.reasoning import ThinkParser
 from laya_core.structured.tool_parsers import CallParser
 from laya_core.types import FinishReason, Timing
 
@@ -69,6 +71,13 @@ def _message(text: str, status: str, item_id: str | None = None) -> dict[str, An
 
 def _part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _reasoning(text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
+    """A reasoning item with the model's reasoning as its text (as open-weight servers write
+    it; no summary is made)."""
+    return {"type": "reasoning", "id": item_id or _id("rs"), "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def _call(call: dict[str, Any], status: str) -> dict[str, Any]:
@@ -168,7 +177,9 @@ class ResponseHandlers:
         (result,) = await self.chat.collect(request, runs, req.chat)
         output: list[dict[str, Any]] = []
         status = "incomplete" if result.finish is FinishReason.LENGTH else "completed"
-        text = result.text
+        reasoning, text = reasoning_of(runs[0], result)
+        if reasoning:
+            output.append(_reasoning(reasoning, "completed"))
         parser = gen.tool_parser(runs[0], req.chat)
         if parser is not None:
             text = "".join(v for kind, v in parser.feed(text) + parser.finish()
@@ -191,6 +202,7 @@ class ResponseHandlers:
         clock = runs[0].client.clock
         events = _Events(self, req, response_id, created)
         events.parser = gen.tool_parser(runs[0], req.chat)
+        events.thinker = runs[0].reasoning_parser()
 
         async def stream() -> AsyncIterator[str]:
             timing: Timing | None = None
@@ -208,7 +220,7 @@ class ResponseHandlers:
                         break
                     start = now_ns()
                     last = event.finish_reason is not None
-                    for data in events.text(event.text, last):
+                    for data in events.text(event.text, last, len(event.token_ids)):
                         yield data
                     if last:
                         timing = event.timing
@@ -239,6 +251,7 @@ class _Events:
         self.output: list[dict[str, Any]] = []  # the items done
         self.open: dict[str, Any] | None = None  # the item being written
         self.parser: CallParser | None = None  # the caller's, in its model's format
+        self.thinker: ThinkParser | None = None  # a reasoning model's
 
     def emit(self, kind: str, **fields: Any) -> str:
         """One event; its ``event:`` field follows the data line (SSE takes fields in any
@@ -251,7 +264,29 @@ class _Events:
         return self.handlers._object(self.req, self.response_id, self.created, status,
                                      list(self.output), usage)
 
-    def text(self, text: str, last: bool) -> list[str]:
+    def text(self, text: str, last: bool, tokens: int = 0) -> list[str]:
+        if self.thinker is not None:  # its reasoning first, as an item of its own
+            out: list[str] = []
+            pieces = self.thinker.feed(text, tokens) + (self.thinker.finish() if last else [])
+            for kind, value in pieces:
+                out += self._reasoning(value) if kind == "reasoning" else \
+                    self._answer(value, False)
+            return out + (self._answer("", True) if last else [])
+        return self._answer(text, last)
+
+    def _reasoning(self, text: str) -> list[str]:
+        out: list[str] = []
+        if self.open is None or self.open["type"] != "reasoning":
+            out += self._close_open("completed")
+            self.open = _reasoning("", "in_progress")
+            out.append(self.emit("response.output_item.added", output_index=len(self.output),
+                                 item={**self.open, "content": []}))
+        self.open["content"][0]["text"] += text
+        out.append(self.emit("response.reasoning_text.delta", item_id=self.open["id"],
+                             output_index=len(self.output), content_index=0, delta=text))
+        return out
+
+    def _answer(self, text: str, last: bool) -> list[str]:
         if self.parser is None:
             return self._content(text) if text else []
         out: list[str] = []
@@ -301,7 +336,11 @@ class _Events:
         item["status"] = status
         index = len(self.output)
         out: list[str] = []
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            out.append(self.emit("response.reasoning_text.done", item_id=item["id"],
+                                 output_index=index, content_index=0,
+                                 text=item["content"][0]["text"]))
+        elif item["type"] == "message":
             part = item["content"][0]
             out.append(self.emit("response.output_text.done", item_id=item["id"],
                                  output_index=index, content_index=0, text=part["text"],

@@ -35,11 +35,12 @@ MAX_METADATA = 16
 _UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
     "conversation": (None,), "prompt": (None,),
     "background": (None, False), "include": (None, []), "truncation": (None, "disabled"),
-    "top_logprobs": (None, 0), "max_tool_calls": (None,), "reasoning": (None, {}),
+    "top_logprobs": (None, 0), "max_tool_calls": (None,),
 }
 # Chat fields, in parse_chat's errors, and the Responses fields they came from (longest first).
 _RENAMES = (("response_format.json_schema", "text.format"), ("response_format", "text.format"),
             ("max_tokens", "max_output_tokens"), ("tool_choice.function", "tool_choice"),
+            ("reasoning_effort", "reasoning.effort"),
             ("messages", "input"))
 _TOOL_PARAM = re.compile(r"^tools\[(\d+)\]\.function")
 
@@ -221,6 +222,20 @@ def _metadata(raw: Any) -> dict[str, str]:
     return dict(raw)
 
 
+def _reasoning(value: Any) -> dict[str, Any]:
+    """``reasoning``: its ``effort`` reaches the chat template as ``reasoning_effort``; a
+    ``summary`` is not written (the reasoning item carries the reasoning itself)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise invalid("reasoning", "'reasoning' must be an object", "invalid_type")
+    for name in value:
+        if name not in ("effort", "summary", "generate_summary"):
+            raise invalid(f"reasoning.{name}", "is not supported by this server",
+                          "unsupported_parameter")
+    return {"reasoning_effort": value["effort"]} if value.get("effort") is not None else {}
+
+
 def parse_responses(body: Any, history: tuple[dict[str, Any], ...] = ()) -> ResponsesRequest:
     """``body`` parsed; ``history``: the conversation of its ``previous_response_id``."""
     if not isinstance(body, Mapping):
@@ -250,6 +265,7 @@ def parse_responses(body: Any, history: tuple[dict[str, Any], ...] = ()) -> Resp
         chat["tools"] = _tools(body["tools"])
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    chat.update(_reasoning(body.get("reasoning")))
     try:
         req = parse_chat(chat)
     except APIError as e:

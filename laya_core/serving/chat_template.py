@@ -14,6 +14,8 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+# What a request's template variables cannot set: the conversation and the model's tokens.
+RESERVED = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
 
 class TemplateError(ValueError):
     """The template failed to render these messages."""
@@ -63,17 +65,26 @@ class ChatTemplate:
         self._eos = eos_token
 
     def render(self, messages: Sequence[Mapping[str, Any]],
-               add_generation_prompt: bool = True, tools: Sequence[Any] | None = None) -> str:
+               add_generation_prompt: bool = True, tools: Sequence[Any] | None = None,
+               variables: Mapping[str, Any] | None = None) -> str:
         """The whole prompt, in this process: only for templates that are trusted (tests,
         the default). The server renders model files' templates in ``TemplateSandbox``."""
-        return "".join(self.generate(messages, add_generation_prompt, tools))
+        return "".join(self.generate(messages, add_generation_prompt, tools, variables))
 
     def generate(self, messages: Sequence[Mapping[str, Any]],
                  add_generation_prompt: bool = True,
-                 tools: Sequence[Any] | None = None) -> Iterator[str]:
+                 tools: Sequence[Any] | None = None,
+                 variables: Mapping[str, Any] | None = None) -> Iterator[str]:
         """The prompt piece by piece, so a caller can stop a template that writes too much.
-        ``tools``: OpenAI's tool list, for templates that render tools (else None)."""
+        ``tools``: OpenAI's tool list, for templates that render tools (else None).
+        ``variables``: more names the template reads (a request's ``chat_template_kwargs``
+        such as ``enable_thinking``, its ``reasoning_effort``); they cannot replace the
+        messages, the tools or the special tokens."""
+        globals_ = self._template.environment.globals  # range, namespace, raise_exception
+        extra = {k: v for k, v in (variables or {}).items()
+                 if k not in RESERVED and k not in globals_}
         pieces = self._template.generate(
+            **extra,
             messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
             bos_token=self._bos, eos_token=self._eos, tools=list(tools) if tools else None)
         try:

@@ -33,6 +33,7 @@ from laya_core.routing.router import ReplicaState, Router
 from laya_core.serving.load_log import log_loaded
 from laya_core.serving.prompts import ChatPrompts
 from laya_core.serving.residency import Residency, Resident
+from laya_core.structured.reasoning import reasoning_format
 from laya_core.structured.tool_formats import ToolFormat, tool_format
 from laya_core.structured.tools import ToolUse
 
@@ -337,13 +338,20 @@ class Deployment:
         override = self.models[client.model].tool_call_format
         return tool_format(client.info().model_info.chat_template, override)
 
+    def reasoning_format(self, client: EngineClient) -> str:
+        """How a replica's model writes its reasoning ("think" or "none"): its manifest
+        entry's ``reasoning_format``, or with "auto" what its chat template shows."""
+        override = self.models[client.model].reasoning_format
+        return reasoning_format(client.info().model_info.chat_template, override)
+
     def chat_prompt(self, client: EngineClient, messages: Sequence[Mapping[str, Any]],
                     add_generation_prompt: bool = True, add_special: bool = True,
-                    tools: ToolUse | None = None) -> list[int]:
+                    tools: ToolUse | None = None,
+                    variables: Mapping[str, Any] | None = None) -> list[int]:
         """Token ids of a chat (see :meth:`ChatPrompts.prompt_ids`); call it from a worker
         thread."""
         return self.prompts.prompt_ids(client, messages, add_generation_prompt, add_special,
-                                       tools)
+                                       tools, variables)
 
     def _loaded(self, engine: Engine) -> None:
         """On the engine's thread, once its model has loaded: test the chat template, then

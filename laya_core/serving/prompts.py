@@ -34,15 +34,17 @@ class ChatPrompts:
         self.sandbox.close()
 
     def render(self, info: ModelInfo, messages: Sequence[Mapping[str, Any]],
-               add_generation_prompt: bool = True, tools: Sequence[Any] | None = None) -> str:
+               add_generation_prompt: bool = True, tools: Sequence[Any] | None = None,
+               variables: Mapping[str, Any] | None = None) -> str:
         """The model's chat template applied to ``messages``, in the sandbox. Blocks for
         up to the sandbox's time limit: call it from a worker thread."""
         return self.sandbox.render(info.chat_template, info.bos_token, info.eos_token,
-                                   messages, add_generation_prompt, tools)
+                                   messages, add_generation_prompt, tools, variables)
 
     def prompt_ids(self, client: EngineClient, messages: Sequence[Mapping[str, Any]],
                    add_generation_prompt: bool = True, add_special: bool = True,
-                   tools: ToolUse | None = None) -> list[int]:
+                   tools: ToolUse | None = None,
+                   variables: Mapping[str, Any] | None = None) -> list[int]:
         """Token ids of a chat: the template's markup as special tokens, the messages'
         content as text; tools and tool calls as the template renders them, else in the
         generic format (laya_core/structured/tools.py). Blocking (rendering and
@@ -51,7 +53,8 @@ class ChatPrompts:
         tokenizer = client.tokenizer()
         messages, tool_list = prompt_messages(messages, tools, info.chat_template)
         return chat_prompt_ids(
-            messages, lambda m: self.render(info, m, add_generation_prompt, tool_list),
+            messages, lambda m: self.render(info, m, add_generation_prompt, tool_list,
+                                            variables),
             tokenizer.encode, tokenizer.special_tokens, add_special)
 
     def probe(self, info: ModelInfo) -> None:

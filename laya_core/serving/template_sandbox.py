@@ -103,10 +103,12 @@ class TemplateSandbox:
 
     def render(self, source: str | None, bos_token: str, eos_token: str,
                messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-               tools: Sequence[Any] | None = None) -> str:
+               tools: Sequence[Any] | None = None,
+               variables: Mapping[str, Any] | None = None) -> str:
         job = {"source": source, "bos": bos_token, "eos": eos_token,
                "messages": [dict(m) for m in messages], "add_generation_prompt":
-               add_generation_prompt, "tools": list(tools) if tools else None}
+               add_generation_prompt, "tools": list(tools) if tools else None,
+               "variables": dict(variables or {})}
         line = (json.dumps(job) + "\n").encode()  # ASCII: every odd character escaped
         with self._lock:
             if self._closed:
@@ -302,7 +304,7 @@ def _is_stopped(pid: int) -> bool:
 def _render(template: ChatTemplate, job: dict[str, Any], max_chars: int) -> str:
     parts, size = [], 0
     for piece in template.generate(job["messages"], job["add_generation_prompt"],
-                                   job.get("tools")):
+                                   job.get("tools"), job.get("variables")):
         size += len(piece)
         if size > max_chars:
             raise TemplateError(f"the chat template's output passed {max_chars} characters")

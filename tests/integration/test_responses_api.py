@@ -171,7 +171,8 @@ def test_a_streamed_function_call(client: openai.OpenAI) -> None:
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": 3}}}, "text.format"),
     ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+    ({"reasoning": {"encrypted": True}}, "reasoning.encrypted"),
     ({"input": 5}, "input"),
 ])
 def test_what_is_not_implemented_is_a_400_naming_it(smollm_server: ServerProcess,

@@ -114,14 +114,16 @@ def test_errors_in_anthropic_shape(deployment: Deployment) -> None:
     message = error_of(post(deployment, url, {"model": "toy", "max_tokens": 4,
                                               "messages": image}), 400, "invalid_request_error")
     assert message.startswith("messages[0].content[1]") and "text-only" in message
-    for field, value in (("thinking", {"type": "enabled", "budget_tokens": 1024}),
-                         ("top_logprobs", 3), ("mcp_servers", [])):
+    for field, value in (("thinking", {"type": "sometimes"}), ("top_logprobs", 3),
+                         ("thinking", {"type": "enabled", "budget_tokens": 0}),
+                         ("mcp_servers", [])):
         message = error_of(post(deployment, url, {"model": "toy", "max_tokens": 4,
                                                   "messages": HI, field: value}),
                            400, "invalid_request_error")
         assert message.startswith(field), message
-    assert post(deployment, url, {"model": "toy", "max_tokens": 4, "messages": HI,
-                                  "thinking": {"type": "disabled"}}).status_code == 200
+    for thinking in ({"type": "disabled"}, {"type": "enabled", "budget_tokens": 1024}):
+        assert post(deployment, url, {"model": "toy", "max_tokens": 4, "messages": HI,
+                                      "thinking": thinking}).status_code == 200  # no reasoning
     message = error_of(post(deployment, url, {"model": "toy", "max_tokens": 4, "messages": HI,
                                               "stop_sequences": [""]}),
                        400, "invalid_request_error")

@@ -1,0 +1,186 @@
+"""A reasoning model's output split into its reasoning and its answer.
+
+Models of the ``<think>`` family (DeepSeek-R1, Qwen3, QwQ and their distillations) write
+their reasoning between ``<think>`` and ``</think>``, then the answer. Some chat templates
+open the block themselves at the end of the generation prompt (DeepSeek-R1's ends with
+``<think>\\n``), so the output starts inside it; others leave the model to write
+``<think>``; Qwen3's template, asked for no thinking (``enable_thinking = false``), writes an
+empty block into the prompt. :class:`ThinkParser` handles the three: told whether the prompt
+left a block open, it reads the output as it streams, in pieces of any size, and says which
+text is reasoning and which is the answer, holding back only what may be the start of a tag.
+
+The format is the model's chat template's (:func:`detect`), or the manifest's
+``reasoning_format`` (``"auto"``, ``"think"`` or ``"none"``).
+"""
+
+from __future__ import annotations
+
+REASONING_FORMATS = ("auto", "think", "none")
+OPEN, CLOSE = "<think>", "</think>"
+
+
+def detect(template: str | None) -> str:
+    """The reasoning format a chat template shows: "think" or "none"."""
+    return "think" if template and OPEN in template and CLOSE in template else "none"
+
+
+def reasoning_format(template: str | None, override: str = "auto") -> str:
+    """``override`` unless "auto"; else what the template shows."""
+    if override not in REASONING_FORMATS:
+        raise ValueError(f"unknown reasoning format {override!r}; the formats are: "
+                         + ", ".join(REASONING_FORMATS))
+    return detect(template) if override == "auto" else override
+
+
+def opened_by(prompt_text: str | None) -> bool:
+    """Whether a rendered prompt leaves a ``<think>`` block open for the output."""
+    if not prompt_text:
+        return False
+    last_open = prompt_text.rfind(OPEN)
+    return last_open >= 0 and last_open > prompt_text.rfind(CLOSE)
+
+
+class ThinkParser:
+    """The ``<think>`` family's output, streamed; see the module docstring.
+
+    :meth:`feed` takes the next piece of text and returns ``(kind, text)`` pairs, kind
+    ``"reasoning"`` or ``"content"``; :meth:`finish` returns what was held back. The answer's
+    first line breaks after ``</think>`` are dropped, as the templates write them."""
+
+    def __init__(self, inside: bool = False, budget: int | None = None) -> None:
+        # A thinking budget (after_reasoning's): the reasoning ends after that many tokens
+        # even without </think>, which may then open the answer.
+        self.budget = budget
+        self.spent = 0
+        self.cut = False  # the budget ended the reasoning
+        # "start": nothing seen yet (a block may open); "opened": just inside one;
+        # "reasoning"; "after": just past its end; "content".
+        self.state = "opened" if inside else "start"
+        self.held = ""
+        self.reasoning = ""  # all of it, for the whole answer
+        self.content = ""
+
+    def feed(self, text: str, tokens: int = 0) -> list[tuple[str, str]]:
+        """``tokens``: how many tokens ``text`` came in (for the budget)."""
+        out: list[tuple[str, str]] = []
+        text, self.held = self.held + text, ""
+        if self.budget and self.state in ("opened", "reasoning") and tokens:
+            self.spent += tokens
+            if self.spent >= self.budget and CLOSE not in text:  # all of it is reasoning
+                if self.state == "opened":
+                    text = text.lstrip("\n")
+                self._say(out, "reasoning", text)
+                self.state, self.cut = "after", True
+                return out
+        while text:
+            if self.state == "start":
+                stripped = text.lstrip()
+                if stripped.startswith(OPEN):
+                    self.state = "opened"
+                    text = stripped[len(OPEN):]
+                    continue
+                if OPEN.startswith(stripped):  # maybe the tag, not yet whole
+                    self.held = text
+                    break
+                self.state = "content"
+                continue
+            if self.state == "opened":  # the line breaks that follow <think>
+                text = text.lstrip("\n")
+                if not text:
+                    break
+                self.state = "reasoning"
+                continue
+            if self.state == "reasoning":
+                end = text.find(CLOSE)
+                if end >= 0:
+                    self._say(out, "reasoning", text[:end])
+                    self.state = "after"
+                    text = text[end + len(CLOSE):]
+                    continue
+                keep = _partial_suffix(text, CLOSE)
+                self._say(out, "reasoning", text[:len(text) - keep])
+                self.held = text[len(text) - keep:]
+                break
+            if self.state == "after":  # the line breaks between the block and the answer
+                text = text.lstrip("\n")
+                if self.cut and text and CLOSE.startswith(text):  # the tag, late: held
+                    self.held = text
+                    break
+                if self.cut and text.startswith(CLOSE):
+                    text = text[len(CLOSE):]
+                    self.cut = False
+                    continue
+                if not text:
+                    break
+                self.state, self.cut = "content", False
+                continue
+            self._say(out, "content", text)
+            break
+        return out
+
+    def finish(self) -> list[tuple[str, str]]:
+        """What was held back: a tag that never completed is text of its part."""
+        held, self.held = self.held, ""
+        if not held:
+            return []
+        out: list[tuple[str, str]] = []
+        self._say(out, "reasoning" if self.state in ("opened", "reasoning") else "content",
+                  held)
+        return out
+
+    def _say(self, out: list[tuple[str, str]], kind: str, text: str) -> None:
+        if not text:
+            return
+        if kind == "reasoning":
+            self.reasoning += text
+        else:
+            self.content += text
+        if out and out[-1][0] == kind:
+            out[-1] = (kind, out[-1][1] + text)
+        else:
+            out.append((kind, text))
+
+
+def split(text: str, inside: bool = False) -> tuple[str, str]:
+    """(reasoning, content) of a whole output."""
+    parser = ThinkParser(inside)
+    parser.feed(text)
+    parser.finish()
+    return parser.reasoning, parser.content
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that begins ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def after_reasoning(grammar: str | None, inside: bool, budget: int | None) -> str:
+    """llguidance grammar text that lets a ``<think>`` block come first and then holds the
+    output to ``grammar`` (None: any text). ``inside``: the prompt opened the block, so the
+    output starts in it; else the model may open one. ``budget``: at most that many tokens
+    of reasoning; then the answer begins (an optional ``</think>`` first), and the parser
+    (``ThinkParser(budget=)``) ends the reasoning there. ``grammar`` is llguidance's JSON
+    form (``{"grammars": [...]}``) or Lark text.
+
+    The reasoning is one lexeme that ends at ``</think>`` and includes it (llguidance's
+    ``suffix``): a plain ``/(.|\n)*/`` before a ``"</think>"`` literal would match the tag
+    itself, and the lexer, which takes the longest match, would never leave it."""
+    import json
+
+    attributes = [f'suffix="{CLOSE}"'] + ([f"max_tokens={budget}"] if budget else [])
+    rules = [f"thought[{', '.join(attributes)}]: /(.|\\n)*/",
+             f'gap: "{CLOSE}"? /\\n*/' if budget else "gap: /\\n*/"]
+    block = "thought gap" if inside else f'("{OPEN}" thought gap)?'
+    if grammar is None:
+        rules.append("answer: /(.|\\n)*/")
+        return json.dumps({"grammars": [{"lark_grammar": "\n".join(
+            [f"start: {block} answer", *rules])}]})
+    top = json.loads(grammar) if grammar.lstrip().startswith("{") else {
+        "grammars": [{"lark_grammar": grammar}]}
+    inner = [dict(g) for g in top["grammars"]]
+    name = inner[0].setdefault("name", "laya_answer")
+    wrapper = {"lark_grammar": "\n".join([f"start: {block} @{name}", *rules])}
+    return json.dumps({**top, "grammars": [wrapper, *inner]})
