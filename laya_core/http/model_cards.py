@@ -13,9 +13,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from laya_core.http.body import json_body
-from laya_core.http.errors import QUEUE_RETRY_AFTER_S, APIError, invalid
+from laya_core.http.errors import APIError, invalid
+from laya_core.http.replicas import LOAD_REFUSALS, load_refused
 from laya_core.serving.deployment import Deployment, ModelUnavailableError
-from laya_core.serving.residency import LoadFailedError, NoRoomError
 
 
 def model_routes(deployment: Deployment) -> list[Route]:
@@ -71,12 +71,8 @@ def model_routes(deployment: Deployment) -> list[Route]:
         name = await on_demand_model(request)
         try:
             await asyncio.wrap_future(deployment.residency.load(name))
-        except LoadFailedError as e:
-            raise APIError(503, f"the model {name!r} failed to load: {e}",
-                           code="model_failed") from None
-        except NoRoomError as e:
-            raise APIError(503, f"{e}; retry later", code="no_room",
-                           retry_after=QUEUE_RETRY_AFTER_S) from None
+        except LOAD_REFUSALS as e:
+            raise load_refused(name, e) from None
         return JSONResponse(model_card(name))
 
     async def unload(request: Request) -> Response:

@@ -14,6 +14,18 @@ from laya_core.routing.router import NoRouteError
 from laya_core.serving.deployment import Deployment, ModelUnavailableError, UnknownModelError
 from laya_core.serving.residency import LoadFailedError, LoadQueueFullError, NoRoomError
 
+LOAD_REFUSALS = (LoadFailedError, NoRoomError, LoadQueueFullError)
+
+
+def load_refused(name: str, e: Exception) -> APIError:
+    """The answer to an on-demand load that did not happen (one of LOAD_REFUSALS)."""
+    if isinstance(e, LoadFailedError):
+        return APIError(503, f"the model {name!r} failed to load: {e}", code="model_failed")
+    if isinstance(e, LoadQueueFullError):
+        return APIError(429, f"{e}; retry later", code="queue_full",
+                        retry_after=QUEUE_RETRY_AFTER_S)
+    return APIError(503, f"{e}; retry later", code="no_room", retry_after=QUEUE_RETRY_AFTER_S)
+
 
 def client_for(deployment: Deployment, name: str, param: str = "model") -> EngineClient:
     """A loaded replica of model ``name``, or the APIError that says why there is none."""
@@ -39,15 +51,8 @@ async def ready_client(deployment: Deployment, name: str,
     residency = deployment.residency
     try:
         waited = await residency.acquire(name)
-    except LoadFailedError as e:
-        raise APIError(503, f"the model {name!r} failed to load: {e}",
-                       code="model_failed") from None
-    except NoRoomError as e:
-        raise APIError(503, f"{e}; retry later", code="no_room",
-                       retry_after=QUEUE_RETRY_AFTER_S) from None
-    except LoadQueueFullError as e:
-        raise APIError(429, f"{e}; retry later", code="queue_full",
-                       retry_after=QUEUE_RETRY_AFTER_S) from None
+    except LOAD_REFUSALS as e:
+        raise load_refused(name, e) from None
     try:
         yield client_for(deployment, name, param), waited
     finally:
