@@ -128,3 +128,19 @@ def test_the_q4_1_blocks_reach_the_int4_kernel_as_stored() -> None:
         held = Int4Linear.of(weight, None, torch.bfloat16, torch.device("cpu")).dequantized()
         step = weight.scales.T.repeat_interleave(32, dim=1)  # each weight's block scale
         assert float(((held - dense[name]).abs() / step).max()) < 0.6, name
+
+
+def test_q8_0_is_read_as_ggufs_own_routine_reads_it() -> None:
+    import numpy as np
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from laya_backend_torch.gguf_checkpoint import eight_bit_floats
+
+    path = embedded_file("smollm2-135m-instruct")
+    stored = open_checkpoint(path)._source.by_hf["model.embed_tokens.weight"]  # Q8_0 here
+    assert stored.type == GGMLQuantizationType.Q8_0
+    raw = np.asarray(np.memmap(path, dtype=np.uint8, mode="r")[
+        stored.offset:stored.offset + stored.nbytes])
+    expected = dequantize(raw.reshape(stored.shape[0], -1), stored.type).reshape(stored.shape)
+    assert np.array_equal(eight_bit_floats(raw, stored.shape), expected)

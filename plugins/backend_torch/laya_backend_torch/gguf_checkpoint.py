@@ -229,6 +229,8 @@ class GGUFFile:
             if as_stored and t.type in _FOUR_BIT and name.endswith("_proj.weight") \
                     and len(t.shape) == 2:
                 tensor = four_bit_groups(raw, t.shape, t.type)
+            elif t.type == Q.Q8_0:
+                tensor = torch.from_numpy(eight_bit_floats(raw, t.shape))
             elif (dtype := _GGUF_TYPES[t.type]) is None:  # rows of blocks -> float32 [out, in]
                 rows = raw.reshape(t.shape[0] if len(t.shape) > 1 else 1, -1)
                 tensor = torch.from_numpy(dequantize(rows, t.type).reshape(t.shape))
@@ -239,6 +241,17 @@ class GGUFFile:
             elif permuted and ".self_attn.k_proj." in name:
                 tensor = _unpermute_any(tensor, config.num_kv_heads)
             yield name, tensor
+
+
+def eight_bit_floats(raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """A Q8_0 tensor as float32: blocks of a float16 scale d and 32 int8 values q, each
+    ``d x q``; in one pass over all blocks (gguf's routine goes row group by row group in
+    Python: 0.7 s for the embedded model's 49,152 x 576 embedding)."""
+    blocks = raw.reshape(-1, 34)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
+    out = blocks[:, 2:].view(np.int8).astype(np.float32)
+    np.multiply(out, d, out=out)
+    return out.reshape(shape)
 
 
 def four_bit_groups(raw: np.ndarray, shape: tuple[int, ...], kind: Q) -> GroupQuant:
