@@ -13,7 +13,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from laya_core.http.errors import APIError
-from laya_core.structured.reasoning import ThinkParser
+from laya_core.structured.reasoning import ReasoningParser
 from laya_core.structured.tool_parsers import CallParser
 from laya_core.types import FinishReason
 
@@ -116,7 +116,7 @@ class StreamBlocks:
     """Turns a stream's text into content-block events: text blocks, and with tools a
     tool_use block per call whose arguments arrive as input_json deltas."""
 
-    def __init__(self, parser: CallParser | None, thinker: ThinkParser | None = None) -> None:
+    def __init__(self, parser: CallParser | None, thinker: ReasoningParser | None = None) -> None:
         self.parser = parser
         self.thinker = thinker  # a reasoning model's: its thinking in a block of its own
         self.index = -1

@@ -20,7 +20,7 @@ from laya_core.kv.hashing import prefix_hashes
 from laya_core.replica.client import EngineClient, RequestTooLongError
 from laya_core.serving.deployment import Deployment
 from laya_core.serving.template_sandbox import TemplateUnavailableError
-from laya_core.structured.reasoning import ThinkParser
+from laya_core.structured.reasoning import ReasoningParser
 from laya_core.structured.spec import GrammarError
 from laya_core.structured.tool_parsers import CallParser
 from laya_core.structured.tools import call_grammar
@@ -43,11 +43,9 @@ class Running:
     # A reasoning model's chat: where its reasoning starts and its budget (None: no split).
     thinking: Thinking | None = None
 
-    def reasoning_parser(self) -> ThinkParser | None:
+    def reasoning_parser(self) -> ReasoningParser | None:
         """A parser of this choice's reasoning and answer; None when the model has none."""
-        if self.thinking is None:
-            return None
-        return ThinkParser(self.thinking.inside, self.thinking.budget)
+        return None if self.thinking is None else self.thinking.parser()
 
     def release(self) -> None:
         """Cancel the sequence if still running and give the router its count back, once."""
@@ -196,8 +194,9 @@ async def _start(deployment: Deployment, request: ChatRequest | CompletionReques
         req = await asyncio.to_thread(_in_model_format, deployment, request, client)
     prompts = await asyncio.to_thread(_prompts, deployment, request, client)
     thinking = None
-    if isinstance(request, ChatRequest) and deployment.reasoning_format(client) == "think":
-        thinking = thinking_of(deployment, request, client, prompts[0][0])
+    form = deployment.reasoning_format(client) if isinstance(request, ChatRequest) else "none"
+    if isinstance(request, ChatRequest) and form != "none":
+        thinking = thinking_of(deployment, request, client, prompts[0][0], form)
         if thinking.grammar_needed(req.constraint):
             req = attrs.evolve(req, constraint=thinking.wrap(req.constraint))
     param = "messages" if isinstance(request, ChatRequest) else "prompt"

@@ -37,7 +37,7 @@ from laya_core.http.responses_format import ResponsesRequest, parse_responses, r
 from laya_core.http.sse import SSEResponse
 from laya_core.http.thinking import reasoning_of
 from laya_core.serving.deployment import Deployment
-from laya_core.structured.reasoning import ThinkParser
+from laya_core.structured.reasoning import ReasoningParser
 from laya_core.structured.tool_parsers import CallParser
 from laya_core.types import FinishReason, Timing
 
@@ -251,7 +251,7 @@ class _Events:
         self.output: list[dict[str, Any]] = []  # the items done
         self.open: dict[str, Any] | None = None  # the item being written
         self.parser: CallParser | None = None  # the caller's, in its model's format
-        self.thinker: ThinkParser | None = None  # a reasoning model's
+        self.thinker: ReasoningParser | None = None  # a reasoning model's
 
     def emit(self, kind: str, **fields: Any) -> str:
         """One event; its ``event:`` field follows the data line (SSE takes fields in any

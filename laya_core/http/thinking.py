@@ -14,7 +14,13 @@ from laya_core.http.completion_requests import ChatRequest
 from laya_core.http.errors import invalid
 from laya_core.replica.client import EngineClient
 from laya_core.serving.deployment import Deployment
-from laya_core.structured.reasoning import CLOSE, after_reasoning, opened_by
+from laya_core.structured.reasoning import (
+    CLOSE,
+    HarmonyParser,
+    ThinkParser,
+    after_reasoning,
+    opened_by,
+)
 from laya_core.structured.spec import ConstraintSpec
 
 if TYPE_CHECKING:
@@ -30,8 +36,16 @@ class Thinking:
     inside: bool
     closed: bool
     budget: int | None
+    format: str = "think"  # or "harmony": gpt-oss's channels, read as they come
+
+    def parser(self) -> ThinkParser | HarmonyParser:
+        if self.format == "harmony":
+            return HarmonyParser()
+        return ThinkParser(self.inside, self.budget)
 
     def grammar_needed(self, constraint: ConstraintSpec | None) -> bool:
+        if self.format == "harmony":  # its channels are the constraint's to write
+            return False
         return not self.closed and (constraint is not None or self.budget is not None)
 
     def wrap(self, constraint: ConstraintSpec | None) -> ConstraintSpec:
@@ -51,8 +65,14 @@ class Thinking:
 
 
 def thinking_of(deployment: Deployment, request: ChatRequest, client: EngineClient,
-              prompt: Sequence[int]) -> Thinking:
-    """Where a ``think`` model's output starts, from the prompt's last tokens."""
+              prompt: Sequence[int], form: str = "think") -> Thinking:
+    """Where a ``think`` model's output starts, from the prompt's last tokens; a harmony
+    model's (``form``) is read from its channels, and takes no budget yet."""
+    if form == "harmony":
+        if request.max_reasoning_tokens is not None:
+            raise invalid("max_reasoning_tokens", "a thinking budget is not supported for a "
+                          "harmony (gpt-oss) model yet; leave it out", "unsupported_parameter")
+        return Thinking(False, False, None, "harmony")
     tail = client.tokenizer().decode(list(prompt[-32:]))
     inside = opened_by(tail)
     closed = not inside and tail.rstrip().endswith(CLOSE)

@@ -9,18 +9,23 @@ empty block into the prompt. :class:`ThinkParser` handles the three: told whethe
 left a block open, it reads the output as it streams, in pieces of any size, and says which
 text is reasoning and which is the answer, holding back only what may be the start of a tag.
 
+gpt-oss writes in harmony's channels: its reasoning in the ``analysis`` channel, its answer
+in ``final``, its tool calls in ``commentary`` (:class:`HarmonyParser`).
+
 The format is the model's chat template's (:func:`detect`), or the manifest's
-``reasoning_format`` (``"auto"``, ``"think"`` or ``"none"``).
+``reasoning_format`` (``"auto"``, ``"think"``, ``"harmony"`` or ``"none"``).
 """
 
 from __future__ import annotations
 
-REASONING_FORMATS = ("auto", "think", "none")
+REASONING_FORMATS = ("auto", "think", "harmony", "none")
 OPEN, CLOSE = "<think>", "</think>"
 
 
 def detect(template: str | None) -> str:
-    """The reasoning format a chat template shows: "think" or "none"."""
+    """The reasoning format a chat template shows: "think", "harmony" or "none"."""
+    if template and "<|channel|>" in template and "analysis" in template:
+        return "harmony"
     return "think" if template and OPEN in template and CLOSE in template else "none"
 
 
@@ -40,7 +45,26 @@ def opened_by(prompt_text: str | None) -> bool:
     return last_open >= 0 and last_open > prompt_text.rfind(CLOSE)
 
 
-class ThinkParser:
+class _Split:
+    """What both parsers keep: the reasoning and the answer so far."""
+
+    reasoning: str
+    content: str
+
+    def _say(self, out: list[tuple[str, str]], kind: str, text: str) -> None:
+        if not text:
+            return
+        if kind == "reasoning":
+            self.reasoning += text
+        else:
+            self.content += text
+        if out and out[-1][0] == kind:
+            out[-1] = (kind, out[-1][1] + text)
+        else:
+            out.append((kind, text))
+
+
+class ThinkParser(_Split):
     """The ``<think>`` family's output, streamed; see the module docstring.
 
     :meth:`feed` takes the next piece of text and returns ``(kind, text)`` pairs, kind
@@ -128,17 +152,6 @@ class ThinkParser:
                   held)
         return out
 
-    def _say(self, out: list[tuple[str, str]], kind: str, text: str) -> None:
-        if not text:
-            return
-        if kind == "reasoning":
-            self.reasoning += text
-        else:
-            self.content += text
-        if out and out[-1][0] == kind:
-            out[-1] = (kind, out[-1][1] + text)
-        else:
-            out.append((kind, text))
 
 
 def split(text: str, inside: bool = False) -> tuple[str, str]:
@@ -184,3 +197,79 @@ def after_reasoning(grammar: str | None, inside: bool, budget: int | None) -> st
     name = inner[0].setdefault("name", "laya_answer")
     wrapper = {"lark_grammar": "\n".join([f"start: {block} @{name}", *rules])}
     return json.dumps({**top, "grammars": [wrapper, *inner]})
+
+
+_START, _CHANNEL, _MESSAGE = "<|start|>assistant", "<|channel|>", "<|message|>"
+_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+_MARKERS = (_START, _CHANNEL, *_ENDS)
+
+
+class HarmonyParser(_Split):
+    """gpt-oss's output in harmony's channels, streamed, with :class:`ThinkParser`'s
+    interface: an ``analysis`` message is reasoning, a ``final`` one the answer (their
+    markup left out), and any other channel's message (``commentary``: tool calls, or a
+    preamble) is passed on whole, markup and all, as answer text for the tool-call parser.
+    Text outside any channel is the answer."""
+
+    budget: int | None = None  # no thinking budget for harmony
+
+    def __init__(self) -> None:
+        self.state = "between"  # or "analysis", "final", "other" (in a body), "plain"
+        self.held = ""
+        self.reasoning = ""
+        self.content = ""
+
+    def feed(self, text: str, tokens: int = 0) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        text, self.held = self.held + text, ""
+        while text:
+            if self.state == "plain":
+                self._say(out, "content", text)
+                break
+            if self.state == "between":
+                if text.startswith(_START):
+                    text = text[len(_START):]
+                    continue
+                if text.startswith(_CHANNEL):
+                    head = text.find(_MESSAGE)
+                    if head < 0:  # the header is not whole yet
+                        self.held = text
+                        break
+                    name = text[len(_CHANNEL):head].lstrip()
+                    if name.startswith("analysis"):
+                        self.state = "analysis"
+                    elif name.startswith("final"):
+                        self.state = "final"
+                    else:
+                        self.state = "other"
+                        self._say(out, "content", text[:head + len(_MESSAGE)])
+                    text = text[head + len(_MESSAGE):]
+                    continue
+                if any(m.startswith(text) for m in (_START, _CHANNEL)):
+                    self.held = text
+                    break
+                self.state = "plain"
+                continue
+            kind = "reasoning" if self.state == "analysis" else "content"
+            ends = [(text.find(e), e) for e in _ENDS if e in text]
+            if ends:
+                at, end = min(ends)
+                self._say(out, kind, text[:at] + (end if self.state == "other" else ""))
+                self.state = "between"
+                text = text[at + len(end):]
+                continue
+            keep = max(_partial_suffix(text, e) for e in _ENDS)
+            self._say(out, kind, text[:len(text) - keep])
+            self.held = text[len(text) - keep:]
+            break
+        return out
+
+    def finish(self) -> list[tuple[str, str]]:
+        held, self.held = self.held, ""
+        out: list[tuple[str, str]] = []
+        if held:  # in a body, its end; else markup cut short, which is text then
+            self._say(out, "reasoning" if self.state == "analysis" else "content", held)
+        return out
+
+
+ReasoningParser = ThinkParser | HarmonyParser

@@ -37,8 +37,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
                        (TEMPLATES / "deepseek_r1.jinja").read_text(), "str")
     q3 = with_metadata(embedded(), tmp / "q3.gguf", "tokenizer.chat_template", QWEN3_LIKE,
                        "str")
+    oss = with_metadata(embedded(), tmp / "oss.gguf", "tokenizer.chat_template",
+                        (TEMPLATES / "harmony.jinja").read_text(), "str")
     text = '[server]\nhost = "127.0.0.1"\nport = {port}\n'
-    for name, path in (("r1", r1), ("q3", q3)):
+    for name, path in (("oss", oss), ("r1", r1), ("q3", q3)):
         text += (f'\n[[models]]\nname = "{name}"\nbackend = "llamacpp"\npath = "{path}"\n'
                  "max_seq_len = 1024\nmax_num_seqs = 2\n")
     text += "max_reasoning_tokens = 10\n"  # q3's default thinking budget
@@ -179,3 +181,17 @@ def test_responses_stream_the_reasoning_item(server: ServerProcess) -> None:
     assert said == reasoning["content"][0]["text"]
     done = [e for e in events if e["type"] == "response.reasoning_text.done"]
     assert len(done) == 1 and done[0]["text"] == said
+
+
+def test_harmony_channels_split_into_reasoning_and_answer(server: ServerProcess) -> None:
+    """gpt-oss's channels, which the small model writes only when a regex makes it."""
+    channels = (r"<\|channel\|>analysis<\|message\|>[a-z ]{5,20}<\|end\|>"
+                r"<\|start\|>assistant<\|channel\|>final<\|message\|>(yes|no)")
+    fields = {"model": "oss", "max_tokens": 60, "guided_regex": channels}
+    message = chat(server, **fields)["message"]
+    assert message["reasoning_content"] and "<|" not in message["reasoning_content"]
+    assert message["content"] in ("yes", "no"), message
+    assert streamed(server, **fields) == (message["reasoning_content"], message["content"])
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": "oss", "messages": ASK, "max_tokens": 2, "max_reasoning_tokens": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_reasoning_tokens"

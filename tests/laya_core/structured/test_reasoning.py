@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from laya_core.structured.reasoning import ThinkParser, detect, opened_by, split
+from laya_core.structured.reasoning import HarmonyParser, ThinkParser, detect, opened_by, split
 
 CASES = [  # (output, the prompt left a block open, reasoning, content)
     ("<think>\nFirst, 2 + 2.\n</think>\n\nIt is 4.", False, "First, 2 + 2.\n", "It is 4."),
@@ -64,3 +64,30 @@ def test_a_spent_budget_ends_the_reasoning_without_the_tag() -> None:
     early = ThinkParser(inside=True, budget=5)  # ended by its tag before the budget
     early.feed("a", 1), early.feed("</think>", 1), early.feed("b", 1), early.finish()
     assert (early.reasoning, early.content) == ("a", "b")
+
+
+HARMONY = [  # (output, reasoning, answer)
+    ("<|channel|>analysis<|message|>7 has no divisors.<|end|><|start|>assistant"
+     "<|channel|>final<|message|>Yes, 7 is prime.<|return|>",
+     "7 has no divisors.", "Yes, 7 is prime."),
+    ("<|channel|>analysis<|message|>Look it up.<|end|><|start|>assistant<|channel|>"
+     'commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}'
+     "<|call|>", "Look it up.",
+     '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+     '{"city":"Paris"}<|call|>'),
+    ("Just text, no channels.", "", "Just text, no channels."),
+    ("<|channel|>analysis<|message|>cut short", "cut short", ""),
+    ("<|channel|>commentary to=functions.get", "", "<|channel|>commentary to=functions.get"),
+]
+
+
+@pytest.mark.parametrize(("output", "reasoning", "content"), HARMONY)
+def test_harmony_channels_at_every_split_point(output: str, reasoning: str,
+                                               content: str) -> None:
+    for cut in range(len(output) + 1):
+        parser = HarmonyParser()
+        pieces = parser.feed(output[:cut]) + parser.feed(output[cut:]) + parser.finish()
+        assert "".join(t for k, t in pieces if k == "reasoning") == reasoning, cut
+        assert "".join(t for k, t in pieces if k == "content") == content, cut
+    assert detect((Path(__file__).parents[2] / "chat_templates" / "harmony.jinja")
+                  .read_text()) == "harmony"
