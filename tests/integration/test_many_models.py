@@ -27,7 +27,7 @@ from laya_core.plugins import load_registry
 NAMES = ("a", "b", "c", "d")
 
 
-def entries() -> str:
+def entries(names: tuple[str, ...] = NAMES) -> str:
     return "".join(f"""
 [[models]]
 name = "{name}"
@@ -39,7 +39,7 @@ load = "on_demand"
 
 [models.options]
 n_threads = 1
-""" for name in NAMES)
+""" for name in names)
 
 
 def budget_for_two() -> tuple[int, int, int]:
@@ -167,3 +167,27 @@ def test_four_models_in_the_room_of_two(tmp_path: Path) -> None:
         assert live[name]["residency"]["unloads"]["asked"] == 1
         pinned = httpx.post(f"{server.url}/models/load", json={"model": "zz"})
         assert pinned.status_code == 404 and pinned.json()["error"]["param"] == "model"
+
+
+def test_the_page_shows_an_on_demand_models_state(tmp_path: Path) -> None:
+    """The live page in a real browser: the model's state and loads, as they change."""
+    import os
+
+    from playwright.sync_api import sync_playwright
+
+    chromium = "/usr/bin/chromium"  # as tests/integration/test_dashboard.py drives it
+    assert os.access(chromium, os.X_OK), f"{chromium} is missing (make test installs it)"
+    manifest = '[server]\nhost = "127.0.0.1"\nport = {port}\n' + entries(("a",))
+    with serving(manifest, tmp_path) as server, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium)
+        try:
+            page = browser.new_page()
+            page.goto(server.url + "/")
+            status = ".model[data-model=a] [data-field=residency_status]"
+            page.wait_for_selector(f"{status}:text('unloaded')")
+            assert httpx.post(f"{server.url}/models/load", json={"model": "a"},
+                              timeout=120).status_code == 200
+            page.wait_for_selector(f"{status}:text-is('loaded')", timeout=30_000)
+            assert page.text_content(".model[data-model=a] [data-field=loads]") == "1"
+        finally:
+            browser.close()
