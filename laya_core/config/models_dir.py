@@ -12,20 +12,19 @@ stopped changing between two looks.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 
+from laya_core.config.sources import model_name_for
 from laya_core.config.table import Problems, Table
 
 # The [models_dir] keys besides the [[models]] ones its entries take.
 OWN_KEYS = ("path",)
 # [[models]] keys a models_dir entry cannot set: each file gives its own.
 NOT_TEMPLATE = ("name", "path", "load")
-_NAME_CHARS = re.compile(r"[^A-Za-z0-9._:/-]")
 
 
 @attrs.frozen
@@ -45,12 +44,6 @@ class ModelsDir:
         return {**self.template, "name": name, "path": path, "load": "on_demand"}
 
 
-def name_for(path: Path) -> str:
-    """A model's name: the file's stem without ``.gguf``, or the folder's name."""
-    base = path.stem if path.suffix.lower() == ".gguf" else path.name
-    return _NAME_CHARS.sub("-", base).lstrip("._:/-")[:128] or "model"
-
-
 def found(folder: Path) -> dict[str, str]:
     """The models directly in ``folder``, name to absolute path, in name order; hidden files
     are left out, and of two with one name the first in path order is kept."""
@@ -65,7 +58,7 @@ def found(folder: Path) -> dict[str, str]:
         model = (child.suffix.lower() == ".gguf" and child.is_file()) \
             or (child.is_dir() and (child / "config.json").is_file())
         if model:
-            out.setdefault(name_for(child), str(child.absolute()))
+            out.setdefault(model_name_for(str(child)), str(child.absolute()))
     return dict(sorted(out.items()))
 
 

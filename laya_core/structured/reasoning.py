@@ -18,10 +18,15 @@ The format is the model's chat template's (:func:`detect`), or the manifest's
 
 from __future__ import annotations
 
+import functools
+
+from laya_core.structured.call_parts import partial_suffix
+
 REASONING_FORMATS = ("auto", "think", "harmony", "none")
 OPEN, CLOSE = "<think>", "</think>"
 
 
+@functools.lru_cache(maxsize=64)  # asked for each chat request: a template is read once
 def detect(template: str | None) -> str:
     """The reasoning format a chat template shows: "think", "harmony" or "none"."""
     if template and "<|channel|>" in template and "analysis" in template:
@@ -121,7 +126,7 @@ class ThinkParser(_Split):
                     self.state = "after"
                     text = text[end + len(CLOSE):]
                     continue
-                keep = _partial_suffix(text, CLOSE)
+                keep = partial_suffix(text, CLOSE)
                 self._say(out, "reasoning", text[:len(text) - keep])
                 self.held = text[len(text) - keep:]
                 break
@@ -161,13 +166,6 @@ def split(text: str, inside: bool = False) -> tuple[str, str]:
     parser.finish()
     return parser.reasoning, parser.content
 
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that begins ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def after_reasoning(grammar: str | None, inside: bool, budget: int | None) -> str:
@@ -258,7 +256,7 @@ class HarmonyParser(_Split):
                 self.state = "between"
                 text = text[at + len(end):]
                 continue
-            keep = max(_partial_suffix(text, e) for e in _ENDS)
+            keep = max(partial_suffix(text, e) for e in _ENDS)
             self._say(out, kind, text[:len(text) - keep])
             self.held = text[len(text) - keep:]
             break
