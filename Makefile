@@ -46,6 +46,13 @@ $(STAMP): pyproject.toml plugins/backend_llamacpp/pyproject.toml plugins/backend
 	# torch pinned first: its CPU build (an unpinned torch pulls a multi-GB CUDA build).
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e plugins/backend_torch
+	# gptqmodel, the reference the quantized-checkpoint tests read GPTQ and AWQ folders with
+	# (tests/quantized_folders.py), in a folder of its own and without its dependencies: it
+	# pins numpy and transformers versions the rest does not take. It runs in a child process.
+	rm -rf $(VENV)/gptqmodel-ref
+	$(BIN)/python -m pip install --quiet --no-deps --target $(VENV)/gptqmodel-ref \
+		gptqmodel==7.6.0 torchao==0.18.0 device-smi==0.5.7 pypcre==0.6.4 tokenicer==0.0.14 \
+		logbar==0.4.15 defuser==0.0.28 threadpoolctl==3.8.0
 	# The example plugins, installed as an outside author's package is (not editable).
 	$(BIN)/python -m pip install --quiet ./examples/laya-priority-scheduler ./examples/laya-random-router \
 		./examples/laya-backend-openai

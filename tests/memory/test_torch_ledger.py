@@ -1,6 +1,7 @@
 """The torch backend's ledger checked against reality: RSS, and its peaks, of a process that
-loads the embedded model in float32, bfloat16, int8 and int4 (torch_rss_stages.py), and its
-Hugging Face export (safetensors: the folder path) in int4."""
+loads the embedded model in float32, bfloat16, int8 and int4 (torch_rss_stages.py), its
+Hugging Face export (safetensors: the folder path) in int4, and an AWQ folder of it (with zero
+points: its 4-bit integers as stored, priced from the safetensors header)."""
 
 from __future__ import annotations
 
@@ -25,33 +26,31 @@ DTYPES = {"float32": {"dtype": "float32", "n_threads": 1},
           "bfloat16": {"dtype": "bfloat16", "quantize": "none", "n_threads": 1},
           "int8": {"dtype": "bfloat16", "quantize": "int8", "n_threads": 1},
           "int4": {"dtype": "bfloat16", "quantize": "int4", "n_threads": 1},
-          "hf-int4": {"dtype": "bfloat16", "quantize": "int4", "n_threads": 1}}
+          "hf-int4": {"dtype": "bfloat16", "quantize": "int4", "n_threads": 1},
+          "awq": {"dtype": "bfloat16", "n_threads": 1}}
+FOLDERS = ("hf-int4", "awq")
 MIB = 2**20
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+def reports() -> dict[str, dict[str, Any]]:
     """Every dtype's stages, measured in processes run side by side (each has its own RSS)."""
-    from laya_backend_torch.export import main as export_main
+    from quantized_folders import quantized_folders
 
-    from laya_core.builtin.model_paths import embedded_file
-
-    folder = tmp_path_factory.mktemp("hf") / "smollm2"
-    assert export_main(["--dtype", "bfloat16", embedded_file("smollm2-135m-instruct"),
-                        str(folder)]) == 0
+    folders = quantized_folders()
+    paths = {"hf-int4": folders["hf"], "awq": folders["awq-asym"]}
     script = Path(__file__).with_name("torch_rss_stages.py")
     def start(name: str) -> subprocess.Popen[str]:
         model = {**MODEL, "options": DTYPES[name]}
-        if name.startswith("hf"):
-            model["path"] = str(folder)
+        if name in paths:
+            model["path"] = str(paths[name])
         return subprocess.Popen([sys.executable, str(script), json.dumps({"models": [model]})],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     out = {}
     # The GGUF file's four side by side, as measured since they were written, then the
-    # folder's: five at once on two cores pushed the int8 step's peak past its line.
-    for batch in ([n for n in DTYPES if not n.startswith("hf")],
-                  [n for n in DTYPES if n.startswith("hf")]):
+    # folders' two: five at once on two cores pushed the int8 step's peak past its line.
+    for batch in ([n for n in DTYPES if n not in FOLDERS], list(FOLDERS)):
         runs = {name: start(name) for name in batch}
         for name, run in runs.items():
             stdout, stderr = run.communicate(timeout=300)

@@ -117,6 +117,10 @@ class Int8Linear(Linear):
     def nbytes(self) -> int:
         return super().nbytes + self.scales.nbytes
 
+    def dequantized(self) -> torch.Tensor:
+        """The float32 matrix [out, in] these int8 values stand for (for tests)."""
+        return self.weight.float() * self.scales.float()[:, None]
+
 
 def int4_fits(weight: Weight, device: torch.device, group: int = INT4_GROUP) -> bool:
     """Whether torch's CPU int4 kernel takes this [out, in] matrix in its 64-row blocks:
