@@ -46,6 +46,10 @@ class SamplingParams:
     # The request's scheduling priority, vLLM's meaning: lower is served sooner. The default
     # scheduler (fcfs) ignores it; a scheduler plugin may order by it.
     priority: int = 0
+    # Control tokens the output shows as their text, (id, text): a tool-call or reasoning
+    # format's markup, which the front end's parser reads (laya_core/structured/markup.py).
+    # Every other control token renders as nothing.
+    shown_tokens: tuple[tuple[int, str], ...] = ()
 
     @property
     def greedy(self) -> bool:

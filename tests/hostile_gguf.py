@@ -74,6 +74,10 @@ def _encode(key: str, value: object, kind: str) -> bytes:
     if kind == "str":
         text = str(value).encode()
         return head + struct.pack("<IQ", _STRING, len(text)) + text
+    if kind == "strs":
+        texts = [str(v).encode() for v in value]  # type: ignore[attr-defined]
+        return head + struct.pack("<IIQ", _ARRAY, _STRING, len(texts)) + b"".join(
+            struct.pack("<Q", len(t)) + t for t in texts)
     vtype = _KINDS[kind]
     return head + struct.pack("<I", vtype) + struct.pack(_FORMATS[vtype], value)
 
@@ -100,7 +104,7 @@ def _split(buf: mmap.mmap) -> tuple[int, dict[str, bytes], bytes, int]:
 
 def with_metadata(src: Path, dst: Path, key: str, value: object, kind: str = "u32") -> Path:
     """``src`` with metadata ``key`` set to ``value`` as ``kind`` (u32, i32, f32, u64, bool,
-    str), added when absent; ``kind="delete"`` removes the key."""
+    str, strs: an array of strings), added when absent; ``kind="delete"`` removes the key."""
     with src.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         version = struct.unpack_from("<I", buf, 4)[0]
         n_tensors, entries, table, data_start = _split(buf)
@@ -114,6 +118,25 @@ def with_metadata(src: Path, dst: Path, key: str, value: object, kind: str = "u3
             out.write(header + b"\0" * (-len(header) % _ALIGNMENT))
             out.write(buf[data_start:])
     return dst
+
+
+# SmolLM2's control tokens 3-12 (<repo_name> .. <jupyter_text>, never in its chats) as
+# Llama 3's, Mistral's and gpt-oss's markup, which each is one control token of theirs.
+FAMILY_CONTROLS = {3: "<|python_tag|>", 4: "[TOOL_CALLS]", 5: "[ARGS]", 6: "<|start|>",
+                   7: "<|channel|>", 8: "<|constrain|>", 9: "<|message|>", 10: "<|call|>",
+                   11: "<|end|>", 12: "<|return|>"}
+
+
+def with_tokens(src: Path, dst: Path, renamed: dict[int, str]) -> Path:
+    """``src`` with the tokens of ``renamed`` (id -> text) spelt otherwise: renaming a
+    control token gives a model another family's control tokens, its weights unchanged."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(src).fields["tokenizer.ggml.tokens"]
+    tokens = [bytes(field.parts[i]).decode() for i in field.data]
+    for token, text in renamed.items():
+        tokens[token] = text
+    return with_metadata(src, dst, "tokenizer.ggml.tokens", tokens, "strs")
 
 
 def small_llama(**changes: Any) -> dict[str, Any]:

@@ -13,8 +13,14 @@ from collections.abc import Callable
 
 
 class IncrementalDetokenizer:
-    def __init__(self, token_bytes: Callable[[int], bytes], stop: tuple[str, ...] = ()) -> None:
+    """``shown``: (id, text) of control tokens shown as their text (they give no bytes)."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes], stop: tuple[str, ...] = (),
+                 shown: tuple[tuple[int, str], ...] = ()) -> None:
         self._token_bytes = token_bytes
+        if shown:
+            texts = {token: text.encode() for token, text in shown}
+            self._token_bytes = lambda token: texts.get(token) or token_bytes(token)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stop = tuple(s for s in stop if s)
         self._held = ""  # decoded text not yet emitted: a possible stop-string prefix

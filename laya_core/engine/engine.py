@@ -149,7 +149,8 @@ class Engine:
         seq = Request(next(self._ids), list(prompt_token_ids), params, constraint=constraint,
                       min_last_chunk=self.backend.min_last_prompt_chunk)
         stream = GenerationStream(seq.seq_id, seq.num_prompt_tokens, self.cancel)
-        detok = IncrementalDetokenizer(self.tokenizer.token_bytes, params.stop)
+        detok = IncrementalDetokenizer(self.tokenizer.token_bytes, params.stop,
+                                       params.shown_tokens)
         self._inbox.put(Live(seq, courier, sink or stream.queue, detok))
         return stream
 

@@ -20,8 +20,10 @@ from laya_core.kv.hashing import prefix_hashes
 from laya_core.replica.client import EngineClient, RequestTooLongError
 from laya_core.serving.deployment import Deployment
 from laya_core.serving.template_sandbox import TemplateUnavailableError
+from laya_core.structured.markup import controls_in, shown
 from laya_core.structured.reasoning import ReasoningParser
 from laya_core.structured.spec import GrammarError
+from laya_core.structured.tool_formats import HARMONY_MARKUP
 from laya_core.structured.tool_parsers import CallParser
 from laya_core.structured.tools import call_grammar
 from laya_core.types import FinishReason, Sample, SamplingParams, Timing, TokenEvent
@@ -68,9 +70,10 @@ class Result:
 
 
 def _params(req: GenerationRequest, max_tokens: int, choice: int,
-            prompt_logprobs: int | None) -> SamplingParams:
+            prompt_logprobs: int | None,
+            shown: tuple[tuple[int, str], ...] = ()) -> SamplingParams:
     seed = None if req.seed is None else req.seed + choice  # n choices must differ
-    return SamplingParams(
+    return SamplingParams(shown_tokens=shown,
         max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
         min_p=req.min_p, seed=seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
         ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
@@ -199,6 +202,7 @@ async def _start(deployment: Deployment, request: ChatRequest | CompletionReques
         thinking = thinking_of(deployment, request, client, prompts[0][0], form)
         if thinking.grammar_needed(req.constraint):
             req = attrs.evolve(req, constraint=thinking.wrap(req.constraint))
+    shown = _shown_markup(deployment, request, client, form)
     param = "messages" if isinstance(request, ChatRequest) else "prompt"
     limit = client.info().max_seq_len
     runs: list[Running] = []
@@ -219,7 +223,7 @@ async def _start(deployment: Deployment, request: ChatRequest | CompletionReques
                 # The first choice scores the prompt for all n (they share it); echo with
                 # max_tokens 0 generates one token, which is not shown (as vLLM does).
                 params = _params(req, max(max_tokens, 1), choice,
-                                 prompt_top(request) if choice == 0 else None)
+                                 prompt_top(request) if choice == 0 else None, shown)
                 runs.append(await _submit(deployment, req, prompt, params, text, session,
                                           discard_output=max_tokens == 0))
         for run in runs:
@@ -231,6 +235,18 @@ async def _start(deployment: Deployment, request: ChatRequest | CompletionReques
         release_all(runs)
         raise
     return runs
+
+
+def _shown_markup(deployment: Deployment, request: ChatRequest | CompletionRequest,
+                  client: EngineClient, form: str) -> tuple[tuple[int, str], ...]:
+    """The control tokens a chat's output shows for its parsers: its tool-call format's
+    markup with tools, gpt-oss's channels with a harmony model (structured/markup.py)."""
+    if not isinstance(request, ChatRequest):
+        return ()
+    controls = deployment.tool_format(client).controls if request.tools is not None else ()
+    if form == "harmony":
+        controls += controls_in(HARMONY_MARKUP, client.tokenizer())
+    return shown(tuple(dict.fromkeys(controls)))
 
 
 def _in_model_format(deployment: Deployment, request: ChatRequest,

@@ -336,7 +336,8 @@ class Deployment:
         """The tool-call format of a replica's model: the one its chat template shows, or
         the model's ``tool_call_format`` where its manifest entry names one."""
         override = self.models[client.model].tool_call_format
-        return tool_format(client.info().model_info.chat_template, override)
+        return tool_format(client.info().model_info.chat_template, override,
+                           client.tokenizer())
 
     def reasoning_format(self, client: EngineClient) -> str:
         """How a replica's model writes its reasoning ("think" or "none"): its manifest

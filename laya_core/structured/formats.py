@@ -91,12 +91,14 @@ def _digits_needed(schema: Any) -> tuple[int, int]:
     return min(whole, _MOST_DIGITS), min(fraction, _MOST_DIGITS)
 
 
-def numbers_grammar(schema: Any = None) -> str:
+def numbers_grammar(schema: Any = None, controls: tuple[tuple[str, int], ...] = ()) -> str:
     """The grammar every JSON output must also match (:attr:`ConstraintSpec.numbers`): any
     JSON text whose numbers have at most :data:`MAX_INTEGER_DIGITS` digits before the
     point, :data:`MAX_FRACTION_DIGITS` after it and :data:`MAX_EXPONENT_DIGITS` in the
     exponent, or more where ``schema``'s own numbers need them. Strings (escapes
-    included) pass unread; a number must be followed by what cannot continue one."""
+    included) pass unread; a number must be followed by what cannot continue one.
+    ``controls``: control tokens (text, id) the output may hold between such texts (a
+    tool-call format's markup, laya_core/structured/markup.py)."""
     import llguidance
 
     whole, fraction = _digits_needed(schema)
@@ -107,8 +109,13 @@ def numbers_grammar(schema: Any = None) -> str:
     string = r'"(?:[^"\\]|\\(?s:.))*"'
     other = r'[^"0-9\-]'  # outside strings and numbers
     after = r'[^"0-9\-+.eE]'  # what may follow a number
-    return llguidance.LLMatcher.grammar_from_regex(
-        rf"(?:{other}|{string}|{number}{after})*(?:{number})?")
+    text = rf"(?:{other}|{string}|{number}{after})*(?:{number})?"
+    if not controls:
+        return llguidance.LLMatcher.grammar_from_regex(text)
+    tokens = " | ".join(f"<[{token}]>" for _, token in controls)
+    some = rf"(?:{other}|{string}|{number}{after})+(?:{number})?|{number}"  # not empty
+    return llguidance.LLMatcher.grammar_from_lark(
+        f"start: TEXT? (({tokens}) TEXT?)*\nTEXT: /{some}/\n")
 
 
 def closed_schema(schema: Any) -> Any:

@@ -31,7 +31,9 @@ from typing import Any
 
 import attrs
 
+from laya_core.models.tokenizer import Tokenizer
 from laya_core.structured.formats import MAX_INTEGER_DIGITS, json_options, schema_of
+from laya_core.structured.markup import controls_in, lark_literal
 from laya_core.structured.spec import ConstraintSpec, GrammarError
 from laya_core.structured.tool_parsers import CallParser, JsonCallParser, JsonSyntax
 from laya_core.structured.tools import (
@@ -63,14 +65,22 @@ class ToolFormat:
     group_end: str = ""
     opener: str = ""  # after the trigger, before the first call: Mistral's "["
     bounds_numbers: bool = True  # a forced call gets the JSON number bounds
+    # The markup that is one control token in the family's own vocabularies, and of it
+    # (text, id) where the model's vocabulary has it so (laya_core/structured/markup.py):
+    # the grammar writes those as tokens, and the output shows them to the parser.
+    markup: tuple[str, ...] = ()
+    controls: tuple[tuple[str, int], ...] = ()
+
+    def lit(self, text: str) -> str:
+        return lark_literal(text, self.controls)
 
     def lark(self, use: ToolUse, tools: Sequence[Tool],
              answer: ConstraintSpec | None) -> str:
         """The grammar of a request's calls: calls alone (forced), calls or the answer, or
         free text up to a call's trigger (a lazy trigger: the text before is the model's)."""
         sep = self.separator if use.parallel and not use.named else None
-        group = "call" + (f" ({_lit(sep)} call)*" if sep else "") \
-            + (f" {_lit(self.group_end)}" if self.group_end else "")
+        group = "call" + (f" ({self.lit(sep)} call)*" if sep else "") \
+            + (f" {self.lit(self.group_end)}" if self.group_end else "")
         rules = f"group: {group}\n" + self.call_rules(tools)
         if use.forced:
             return f"start: {self._opening(forced=True)} group\n" + rules
@@ -81,14 +91,21 @@ class ToolFormat:
 
     def _free_text(self, rules: str) -> str:
         """``tool_choice`` auto: the model's text, up to a call's trigger."""
-        opener = f" {_lit(self.opener)}" if self.opener else ""
-        return (f"start: TEXT | trigger{opener} group\n"
-                f"trigger[lazy]: TEXT {_lit(self.trigger)}\n" + rules
+        opener = f" {self.lit(self.opener)}" if self.opener else ""
+        return (f"start: TEXT | trigger{opener} group\n{self._trigger()}\n" + rules
                 + "TEXT: /(.|\\n)*/\n")
+
+    def _trigger(self) -> str:
+        """The rule of free text up to a call's trigger. Text lazily, up to the trigger
+        spelt out; where the trigger begins with a control token, text can hold no such
+        token, so the token ends it (and a lazy rule, a lexeme, cannot hold a token)."""
+        trigger = self.lit(self.trigger)
+        lazy = "" if trigger.startswith("<[") else "[lazy]"
+        return f"trigger{lazy}: TEXT {trigger}"
 
     def _opening(self, forced: bool) -> str:
         """What comes before the calls where nothing comes before them."""
-        return _lit(self.trigger) + (f" {_lit(self.opener)}" if self.opener else "")
+        return self.lit(self.trigger) + (f" {self.lit(self.opener)}" if self.opener else "")
 
     def call_rules(self, tools: Sequence[Tool]) -> str:
         raise NotImplementedError
@@ -98,13 +115,13 @@ class ToolFormat:
         raise NotImplementedError
 
 
-def _named_calls(tools: Sequence[Tool], head: str, tail: str = "") -> str:
+def _named_calls(fmt: ToolFormat, tools: Sequence[Tool], head: str, tail: str = "") -> str:
     """``call`` as one alternative per tool: ``head`` (with {name}), the arguments, ``tail``."""
     lines = ["call: " + " | ".join(f"c{i}" for i in range(len(tools)))]
     for i, t in enumerate(tools):
         args = {**arguments_schema(t), "x-guidance": json_options()}
-        lines.append(f"c{i}: {_lit(head.format(name=t.name))} %json {json.dumps(args)}"
-                     + (f" {_lit(tail)}" if tail else ""))
+        lines.append(f"c{i}: {fmt.lit(head.format(name=t.name))} %json {json.dumps(args)}"
+                     + (f" {fmt.lit(tail)}" if tail else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -131,14 +148,13 @@ class Hermes(ToolFormat):
 class Llama3Json(ToolFormat):
     def _free_text(self, rules: str) -> str:
         # A reply that begins with "{" is a call; other text is free until <|python_tag|>.
-        return ("start: TEXT | group | trigger group\n"
-                f"trigger[lazy]: TEXT {_lit(self.trigger)}\n" + rules
+        return (f"start: TEXT | group | trigger group\n{self._trigger()}\n" + rules
                 + "TEXT: /([^{](.|\\n)*)?/\n")
 
     def _opening(self, forced: bool) -> str:
         # A forced call is written bare, as the template teaches; beside a typed answer,
         # whose JSON would begin as a call does, after <|python_tag|>.
-        return "" if forced else _lit(self.trigger)
+        return "" if forced else self.lit(self.trigger)
 
     def call_rules(self, tools: Sequence[Tool]) -> str:
         return _object_call(tools, "parameters")
@@ -171,7 +187,7 @@ class Mistral(ToolFormat):
 @attrs.frozen
 class MistralArgs(ToolFormat):
     def call_rules(self, tools: Sequence[Tool]) -> str:
-        return _named_calls(tools, "{name}[ARGS]")
+        return _named_calls(self, tools, "{name}[ARGS]")
 
     def parser(self, use: ToolUse, answer: bool = False) -> JsonCallParser:
         return JsonCallParser(JsonSyntax(
@@ -182,7 +198,7 @@ class MistralArgs(ToolFormat):
 @attrs.frozen
 class Harmony(ToolFormat):
     def call_rules(self, tools: Sequence[Tool]) -> str:
-        return _named_calls(tools, "{name} <|constrain|>json<|message|>", "<|call|>")
+        return _named_calls(self, tools, "{name} <|constrain|>json<|message|>", "<|call|>")
 
     def parser(self, use: ToolUse, answer: bool = False) -> JsonCallParser:
         # The recipient may come before the channel too (how the template writes history).
@@ -248,14 +264,18 @@ def _xml_value(tool: Tool, key: str, prop: Any) -> str:
     return f"%json {json.dumps({**prop, 'x-guidance': json_options()})} {_lit(_CLOSE)}"
 
 
+# gpt-oss's channel markup: one control token each in its vocabulary.
+HARMONY_MARKUP = ("<|start|>", "<|channel|>", "<|constrain|>", "<|message|>", "<|call|>",
+                  "<|end|>", "<|return|>")
 HERMES = Hermes("hermes", "<tool_call>", "\n<tool_call>")
 FORMATS: dict[str, ToolFormat] = {f.name: f for f in (
     HERMES,
-    Llama3Json("llama3_json", "<|python_tag|>", "; "),
-    Mistral("mistral", "[TOOL_CALLS]", ", ", "]", "["),
-    MistralArgs("mistral_args", "[TOOL_CALLS]", "[TOOL_CALLS]"),
+    Llama3Json("llama3_json", "<|python_tag|>", "; ", markup=("<|python_tag|>",)),
+    Mistral("mistral", "[TOOL_CALLS]", ", ", "]", "[", markup=("[TOOL_CALLS]",)),
+    MistralArgs("mistral_args", "[TOOL_CALLS]", "[TOOL_CALLS]",
+                markup=("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")),
     Qwen3Coder("qwen3_coder", "<tool_call>", "\n<tool_call>", bounds_numbers=False),
-    Harmony("harmony", "<|channel|>commentary to=functions.", None),
+    Harmony("harmony", "<|channel|>commentary to=functions.", None, markup=HARMONY_MARKUP),
 )}
 
 # Distinctive text of each family's published chat templates, checked in this order
@@ -284,12 +304,18 @@ def detect(template: str | None) -> str:
     return HERMES.name
 
 
-def tool_format(template: str | None, override: str | None = None) -> ToolFormat:
+def tool_format(template: str | None, override: str | None = None,
+                tokenizer: Tokenizer | None = None) -> ToolFormat:
     """The model's call format: ``override`` (a deployment's choice; "auto" or None:
-    detect it), else the one its chat template shows."""
+    detect it), else the one its chat template shows; with ``tokenizer``, its markup's
+    control tokens in that vocabulary."""
     if override not in (None, "auto"):
         if override not in FORMATS:
             raise ValueError(f"unknown tool-call format {override!r}; the formats are: "
                              + ", ".join(FORMATS))
-        return FORMATS[override]
-    return FORMATS[detect(template)]
+        fmt = FORMATS[override]
+    else:
+        fmt = FORMATS[detect(template)]
+    if tokenizer is None or not fmt.markup:
+        return fmt
+    return attrs.evolve(fmt, controls=controls_in(fmt.markup, tokenizer))

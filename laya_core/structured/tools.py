@@ -139,12 +139,13 @@ def call_grammar(use: ToolUse, param: str = "tools",
     grammar = llguidance.LLMatcher.grammar_from_lark(lark)
     schemas = [t.parameters for t in tools]
     bounded = fmt is None or fmt.bounds_numbers
+    controls = () if fmt is None else fmt.controls
     if answer is None:
-        numbers = numbers_grammar(schemas) if use.forced and bounded else ""
+        numbers = numbers_grammar(schemas, controls) if use.forced and bounded else ""
         return ConstraintSpec("tools", grammar, param, numbers=numbers)
     calls = call_grammar(attrs.evolve(use, choice="required"), param, fmt=fmt)
     return ConstraintSpec("tools_or_json", grammar, param,
-                          numbers=numbers_grammar([*schemas, schema_of(answer)])
+                          numbers=numbers_grammar([*schemas, schema_of(answer)], controls)
                           if bounded else "",
                           parts=(calls, answer))
 

@@ -14,10 +14,14 @@ from typing import Any
 import httpx
 import pytest
 from conftest import FRONT_END_BACKENDS, ServerProcess, serving
-from hostile_gguf import embedded, with_metadata
+from hostile_gguf import FAMILY_CONTROLS, embedded, with_metadata, with_tokens
 
 TEMPLATES = Path(__file__).parent.parent / "chat_templates"
 FAMILIES = ("llama3_json", "mistral", "mistral_args", "qwen3_coder", "harmony")
+# Copies whose vocabulary has the family's markup as control tokens, as the family's own
+# has (hostile_gguf.FAMILY_CONTROLS): the grammar must write the tokens, and the output
+# show them to the parser, which keeps them from the client.
+CONTROL_COPIES = ("mistral_args-controls", "harmony-controls")
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string",
@@ -39,10 +43,13 @@ def family_server(request: pytest.FixtureRequest,
     chat template."""
     tmp = tmp_path_factory.mktemp(f"tool_formats_{request.param}")
     text = '[server]\nhost = "127.0.0.1"\nport = {port}\n'
-    for family in FAMILIES:
-        path = with_metadata(embedded(), tmp / f"{family}.gguf", "tokenizer.chat_template",
+    for name in FAMILIES + CONTROL_COPIES:
+        family = name.removesuffix("-controls")
+        path = with_metadata(embedded(), tmp / f"{name}.gguf", "tokenizer.chat_template",
                              (TEMPLATES / f"{family}.jinja").read_text(), "str")
-        text += (f'\n[[models]]\nname = "{family}"\nbackend = "{request.param}"\n'
+        if name != family:
+            path = with_tokens(path, tmp / f"{name}-tokens.gguf", FAMILY_CONTROLS)
+        text += (f'\n[[models]]\nname = "{name}"\nbackend = "{request.param}"\n'
                  f'path = "{path}"\nmax_seq_len = 1024\nmax_num_seqs = 1\n')
     with serving(text, tmp) as server:
         yield server
@@ -76,7 +83,7 @@ def streamed(server: ServerProcess, family: str) -> tuple[str, list[tuple[str, s
     return content, [(name, args) for name, args in calls.values()], finish
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + CONTROL_COPIES)
 def test_a_forced_call_comes_back_parsed_in_each_family_format(
         family_server: ServerProcess, family: str) -> None:
     r = chat(family_server, family)
