@@ -197,6 +197,26 @@ class MistralArgs(ToolFormat):
 
 @attrs.frozen
 class Harmony(ToolFormat):
+    def _free_text(self, rules: str) -> str:
+        """``tool_choice`` auto. Where ``<|channel|>`` is a control token (gpt-oss's own
+        vocabulary), free text cannot hold it, so the messages that may come before a call
+        (``analysis``, a ``commentary`` preamble) are written out: each ends ``<|end|>``
+        and opens the next ``<|start|>assistant``; the reply ends in a last message, or a
+        call (text before the first channel, which gpt-oss does not write, is let through). Otherwise the channels are text, and free text runs up to the call's
+        trigger as in every family."""
+        channel = dict(self.controls).get("<|channel|>")
+        if channel is None:
+            return super()._free_text(rules)
+        end = self.lit("<|end|>")
+        body = f"BODY {end}" if end.startswith("<[") else "ended"
+        return (f"start: BODY? message* (last | <[{channel}]> "
+                f"{self.lit('commentary to=functions.')} group)?\n"
+                f"message: <[{channel}]> HEAD {self.lit('<|message|>')} {body} "
+                f"{self.lit('<|start|>assistant')}\n"
+                f"last: <[{channel}]> HEAD {self.lit('<|message|>')} BODY\n" + rules
+                + "HEAD: /[a-z]+/\nBODY: /(.|\\n)*/\n"
+                + 'ended[suffix="<|end|>"]: /(.|\\n)*/\n')
+
     def call_rules(self, tools: Sequence[Tool]) -> str:
         return _named_calls(self, tools, "{name} <|constrain|>json<|message|>", "<|call|>")
 

@@ -111,3 +111,20 @@ def test_the_output_shows_the_markup_it_is_asked_to(tokenizer: object) -> None:
                                    shown=((4, "[TOOL_CALLS]"), (5, "[ARGS]")))
     assert "".join(shown.add(t)[0] for t in ids) == CALLS["mistral_args"]
 
+
+
+def test_harmony_with_tools_auto_lets_messages_come_before_a_call(
+        tokenizer: object, compiler: GrammarCompiler) -> None:
+    """gpt-oss reasons in its analysis channel before it calls or answers: with its channel
+    markup as control tokens, ``tool_choice`` auto must let that message come first."""
+    auto = call_grammar(ToolUse((WEATHER,)), fmt=tool_format(None, "harmony", tokenizer))  # type: ignore[arg-type]
+
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special=False, parse_special=True)  # type: ignore[attr-defined,no-any-return]
+
+    analysis = "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
+    assert accepts(compiler, auto, ids(analysis + CALLS["harmony"]))
+    assert accepts(compiler, auto, ids(analysis + "<|channel|>final<|message|>It is sunny."))
+    assert accepts(compiler, auto, ids("Just text."))
+    assert not accepts(compiler, auto, ids(analysis + CALLS["harmony"].replace(
+        "get_weather", "get_rain")))
