@@ -305,3 +305,33 @@ def test_a_cuda_device_plans_the_layers_dense(checkpoints: dict[str, Path],
     assert plans["cuda"]["weights_source"].endswith("loaded as bfloat16, every tensor")
     # Dense bfloat16 matrices against half a byte and a 4-byte pair per 32 inputs.
     assert plans["cuda"]["weights_bytes"] > 2.5 * plans["cpu"]["weights_bytes"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="GPU-only: serves a GPTQ folder on a CUDA device (none here)")
+def test_a_cuda_device_serves_act_order_gptq_as_the_cpu_does(
+        checkpoints: dict[str, Path], tokenize: Any) -> None:
+    """On CUDA the folder's layers are dequantized and run through torch's dense kernels
+    (``quantize = "auto"``); its logits must agree with the CPU's int4 kernel as gptqmodel's
+    do (the same bounds)."""
+    from laya_backend_torch.backend import TorchBackend
+    from laya_backend_torch.model import build_batch
+
+    from laya_core.backend import ModelConfig
+
+    prompts = [tokenize(p) for p in PROMPTS]
+    backend = TorchBackend(ModelConfig(name="q", backend="torch",
+                                       path=str(checkpoints["gptq-act-order"]),
+                                       options={"device": "cuda", "dtype": "bfloat16"}))
+    backend.load_weights()
+    backend.allocate_kv(num_tokens=64 * 16, max_num_seqs=1)
+    assert backend.describe()["quantize"] == "none"
+    for ids, cpu in zip(prompts, laya_logits(checkpoints["gptq-act-order"], prompts),
+                        strict=True):
+        table = list(range(-(-len(ids) // 16)))
+        with torch.inference_mode():
+            gpu = backend._model.forward(
+                build_batch([(ids, 0, table)], list(range(len(ids))), 16)).float().cpu()
+        assert (gpu - cpu).abs().max().item() < 3.0
+        assert (gpu.argmax(-1) != cpu.argmax(-1)).sum().item() <= 2
+    backend.close()
