@@ -130,9 +130,11 @@ def test_layers_equal_gptqmodels(name: str, checkpoints: dict[str, Path],
             assert type(kernel) is Int8Linear
             step = want.abs().amax(1, keepdim=True) / 127  # half an int8 step, and rounding
         assert ((kernel.dequantized() - want).abs() <= step).all(), (name, layer)
-        x = torch.randn(3, gq.shape[1])
-        got, exact = kernel(x.to(torch.bfloat16)).float(), x @ want.T
-        assert torch.allclose(got, exact, atol=0.05 * exact.abs().max().item()), (name, layer)
+        # The kernel computes with what it keeps (act-order: the inputs reordered alike).
+        x = torch.randn(3, gq.shape[1], generator=torch.Generator().manual_seed(0))
+        x = x.to(torch.bfloat16)
+        got, kept = kernel(x).float(), x.float() @ kernel.dequantized().T
+        assert torch.allclose(got, kept, atol=0.02 * kept.abs().max().item()), (name, layer)
 
 
 def test_asymmetric_awq_equals_its_gptq_twin(checkpoints: dict[str, Path]) -> None:
