@@ -5,6 +5,7 @@ has the format and the streamed parser)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -14,14 +15,17 @@ from laya_core.http.completion_requests import ChatRequest
 from laya_core.http.errors import invalid
 from laya_core.replica.client import EngineClient
 from laya_core.serving.deployment import Deployment
+from laya_core.structured.markup import controls_in, lark_literal
 from laya_core.structured.reasoning import (
     CLOSE,
     HarmonyParser,
     ThinkParser,
     after_reasoning,
+    harmony_after_reasoning,
     opened_by,
 )
 from laya_core.structured.spec import ConstraintSpec
+from laya_core.structured.tool_formats import HARMONY_MARKUP
 
 if TYPE_CHECKING:
     from laya_core.http.generation import Result, Running
@@ -37,6 +41,8 @@ class Thinking:
     closed: bool
     budget: int | None
     format: str = "think"  # or "harmony": gpt-oss's channels, read as they come
+    # Harmony's markup that the model's vocabulary has as control tokens (text, id).
+    controls: tuple[tuple[str, int], ...] = ()
 
     def parser(self) -> ThinkParser | HarmonyParser:
         if self.format == "harmony":
@@ -44,7 +50,8 @@ class Thinking:
         return ThinkParser(self.inside, self.budget)
 
     def grammar_needed(self, constraint: ConstraintSpec | None) -> bool:
-        if self.format == "harmony":  # its channels are the constraint's to write
+        if constraint is not None and constraint.kind in ("tools", "tools_or_json") \
+                and self.format == "harmony":  # its calls' grammar writes the channels
             return False
         return not self.closed and (constraint is not None or self.budget is not None)
 
@@ -57,8 +64,12 @@ class Thinking:
                           "request's own) cannot yet wait for a reasoning model's reasoning to "
                           "end; use a JSON schema, a regex or a choice, or set the model's "
                           'reasoning_format = "none"', "unsupported_parameter")
-        grammar = after_reasoning(None if constraint is None else constraint.grammar,
-                                  self.inside, self.budget)
+        inner = None if constraint is None else constraint.grammar
+        if self.format == "harmony":
+            grammar = harmony_after_reasoning(
+                inner, self.budget, functools.partial(lark_literal, controls=self.controls))
+        else:
+            grammar = after_reasoning(inner, self.inside, self.budget)
         if constraint is None:
             return ConstraintSpec("grammar", grammar, "max_reasoning_tokens")
         return attrs.evolve(constraint, grammar=grammar, numbers="")
@@ -67,16 +78,20 @@ class Thinking:
 def thinking_of(deployment: Deployment, request: ChatRequest, client: EngineClient,
               prompt: Sequence[int], form: str = "think") -> Thinking:
     """Where a ``think`` model's output starts, from the prompt's last tokens; a harmony
-    model's (``form``) is read from its channels, and takes no budget yet."""
+    model's (``form``) is read from its channels."""
+    budget = request.max_reasoning_tokens or deployment.models[client.model].max_reasoning_tokens
     if form == "harmony":
-        if request.max_reasoning_tokens is not None:
-            raise invalid("max_reasoning_tokens", "a thinking budget is not supported for a "
-                          "harmony (gpt-oss) model yet; leave it out", "unsupported_parameter")
-        return Thinking(False, False, None, "harmony")
+        if budget is not None and request.tools is not None:
+            # The calls' grammar writes the channels (structured/tool_formats.py) and
+            # takes no budget yet.
+            raise invalid("max_reasoning_tokens", "a thinking budget is not supported "
+                          "together with tools for a harmony (gpt-oss) model yet; leave "
+                          "one out", "unsupported_parameter")
+        return Thinking(False, False, budget, "harmony",
+                        controls_in(HARMONY_MARKUP, client.tokenizer()))
     tail = client.tokenizer().decode(list(prompt[-32:]))
     inside = opened_by(tail)
     closed = not inside and tail.rstrip().endswith(CLOSE)
-    budget = request.max_reasoning_tokens or deployment.models[client.model].max_reasoning_tokens
     return Thinking(inside, closed, None if closed else budget)
 
 

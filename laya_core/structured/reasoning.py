@@ -19,6 +19,8 @@ The format is the model's chat template's (:func:`detect`), or the manifest's
 from __future__ import annotations
 
 import functools
+import json
+from collections.abc import Callable
 
 from laya_core.structured.call_parts import partial_suffix
 
@@ -179,27 +181,57 @@ def after_reasoning(grammar: str | None, inside: bool, budget: int | None) -> st
     The reasoning is one lexeme that ends at ``</think>`` and includes it (llguidance's
     ``suffix``): a plain ``/(.|\n)*/`` before a ``"</think>"`` literal would match the tag
     itself, and the lexer, which takes the longest match, would never leave it."""
-    import json
-
     attributes = [f'suffix="{CLOSE}"'] + ([f"max_tokens={budget}"] if budget else [])
     rules = [f"thought[{', '.join(attributes)}]: /(.|\\n)*/",
              f'gap: "{CLOSE}"? /\\n*/' if budget else "gap: /\\n*/"]
     block = "thought gap" if inside else f'("{OPEN}" thought gap)?'
+    return _then_answer(block, rules, grammar)
+
+
+def _then_answer(before: str, rules: list[str], grammar: str | None) -> str:
+    """llguidance grammar text: ``before`` (a rule body, with ``rules``), then the output
+    held to ``grammar`` (None: any text), which may be Lark or llguidance's JSON form."""
     if grammar is None:
         rules.append("answer: /(.|\\n)*/")
         return json.dumps({"grammars": [{"lark_grammar": "\n".join(
-            [f"start: {block} answer", *rules])}]})
+            [f"start: {before} answer", *rules])}]})
     top = json.loads(grammar) if grammar.lstrip().startswith("{") else {
         "grammars": [{"lark_grammar": grammar}]}
     inner = [dict(g) for g in top["grammars"]]
     name = inner[0].setdefault("name", "laya_answer")
-    wrapper = {"lark_grammar": "\n".join([f"start: {block} @{name}", *rules])}
+    wrapper = {"lark_grammar": "\n".join([f"start: {before} @{name}", *rules])}
     return json.dumps({**top, "grammars": [wrapper, *inner]})
+
+
+def harmony_after_reasoning(grammar: str | None, budget: int | None,
+                            lit: Callable[[str], str]) -> str:
+    """llguidance grammar text for gpt-oss, asked for no tools: its ``analysis`` messages
+    first (with ``budget``, one of at most that many tokens: then its end, and the final
+    channel, are written for it), then the ``final``
+    channel's message held to ``grammar`` (None: any text). ``lit`` writes the channel
+    markup, as control tokens where the vocabulary has them (structured/markup.py).
+
+    Where ``<|end|>`` is text, a message's body is one lexeme that ends at it and includes
+    it (llguidance's ``suffix``, as :func:`after_reasoning`'s); a body the budget cut ends
+    at the next ``<|start|>`` (:class:`HarmonyParser` reads either). Where it is a token,
+    free text cannot hold it, and the token ends the body."""
+    end = lit("<|end|>")
+    limit = [f"max_tokens={budget}"] if budget else []
+    if end.startswith("<["):
+        rules = [f"body{'[' + limit[0] + ']' if limit else ''}: /(.|\\n)*/"]
+        body = f"body {end}"
+    else:
+        rules = [f"body[{', '.join(['suffix=' + json.dumps('<|end|>'), *limit])}]: /(.|\\n)*/"]
+        body = "body"  # a body the budget cut goes on at <|start|>, which ends it too
+    message = (f"({lit('<|channel|>')} {lit('analysis')} {lit('<|message|>')} {body} "
+               f"{lit(_START)})")
+    final = f"{lit('<|channel|>')} {lit('final')} {lit('<|message|>')}"
+    return _then_answer(f"{message}{'?' if budget else '*'} {final}", rules, grammar)
 
 
 _START, _CHANNEL, _MESSAGE = "<|start|>assistant", "<|channel|>", "<|message|>"
 _ENDS = ("<|end|>", "<|return|>", "<|call|>")
-_MARKERS = (_START, _CHANNEL, *_ENDS)
+_BODY_ENDS = (*_ENDS, _START)  # a body the thinking budget cut ends where the next begins
 
 
 class HarmonyParser(_Split):
@@ -209,7 +241,7 @@ class HarmonyParser(_Split):
     preamble) is passed on whole, markup and all, as answer text for the tool-call parser.
     Text outside any channel is the answer."""
 
-    budget: int | None = None  # no thinking budget for harmony
+    budget: int | None = None  # a harmony budget is the grammar's (harmony_after_reasoning)
 
     def __init__(self) -> None:
         self.state = "between"  # or "analysis", "final", "other" (in a body), "plain"
@@ -249,14 +281,16 @@ class HarmonyParser(_Split):
                 self.state = "plain"
                 continue
             kind = "reasoning" if self.state == "analysis" else "content"
-            ends = [(text.find(e), e) for e in _ENDS if e in text]
+            ends = [(text.find(e), e) for e in _BODY_ENDS if e in text]
             if ends:
                 at, end = min(ends)
-                self._say(out, kind, text[:at] + (end if self.state == "other" else ""))
+                closed = end in _ENDS  # else the next message begins (a budget's cut)
+                self._say(out, kind, text[:at] + (end if closed and self.state == "other"
+                                                  else ""))
                 self.state = "between"
-                text = text[at + len(end):]
+                text = text[at + len(end) if closed else at:]
                 continue
-            keep = max(partial_suffix(text, e) for e in _ENDS)
+            keep = max(partial_suffix(text, e) for e in _BODY_ENDS)
             self._say(out, kind, text[:len(text) - keep])
             self.held = text[len(text) - keep:]
             break

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import ServerProcess, serving
-from hostile_gguf import embedded, with_metadata
+from hostile_gguf import FAMILY_CONTROLS, embedded, with_metadata, with_tokens
 
 TEMPLATES = Path(__file__).parent.parent / "chat_templates"
 QWEN3_LIKE = (
@@ -39,8 +39,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
                        "str")
     oss = with_metadata(embedded(), tmp / "oss.gguf", "tokenizer.chat_template",
                         (TEMPLATES / "harmony.jinja").read_text(), "str")
+    # gpt-oss's markup as control tokens, as its own vocabulary has it.
+    oss_controls = with_tokens(oss, tmp / "oss-controls.gguf", FAMILY_CONTROLS)
     text = '[server]\nhost = "127.0.0.1"\nport = {port}\n'
-    for name, path in (("oss", oss), ("r1", r1), ("q3", q3)):
+    for name, path in (("oss", oss), ("oss-controls", oss_controls), ("r1", r1), ("q3", q3)):
         text += (f'\n[[models]]\nname = "{name}"\nbackend = "llamacpp"\npath = "{path}"\n'
                  "max_seq_len = 1024\nmax_num_seqs = 2\n")
     text += "max_reasoning_tokens = 10\n"  # q3's default thinking budget
@@ -183,15 +185,28 @@ def test_responses_stream_the_reasoning_item(server: ServerProcess) -> None:
     assert len(done) == 1 and done[0]["text"] == said
 
 
-def test_harmony_channels_split_into_reasoning_and_answer(server: ServerProcess) -> None:
-    """gpt-oss's channels, which the small model writes only when a regex makes it."""
-    channels = (r"<\|channel\|>analysis<\|message\|>[a-z ]{5,20}<\|end\|>"
-                r"<\|start\|>assistant<\|channel\|>final<\|message\|>(yes|no)")
-    fields = {"model": "oss", "max_tokens": 60, "guided_regex": channels}
+@pytest.mark.parametrize("model", ["oss", "oss-controls"])
+def test_harmony_reasoning_then_the_answer_in_the_final_channel(server: ServerProcess,
+                                                               model: str) -> None:
+    """gpt-oss's channels: with a thinking budget and a constraint, at most the budget of
+    analysis (the grammar then writes the message's end and the final channel), and the
+    constrained answer in the final channel, markup left out; streamed as whole. The
+    channel markup is text in one copy and control tokens in the other."""
+    fields = {"model": model, "max_tokens": 60, "max_reasoning_tokens": 5,
+              "guided_regex": "(yes|no)"}
     message = chat(server, **fields)["message"]
-    assert message["reasoning_content"] and "<|" not in message["reasoning_content"]
     assert message["content"] in ("yes", "no"), message
-    assert streamed(server, **fields) == (message["reasoning_content"], message["content"])
+    reasoning = message["reasoning_content"] or ""
+    assert "<|" not in reasoning and tokens(server, reasoning) <= 5, message
+    assert streamed(server, **fields) == (reasoning, message["content"])
+    answer = chat(server, model=model, max_tokens=80, max_reasoning_tokens=5,
+                  response_format=JSON_FORMAT)
+    assert answer["finish_reason"] == "stop", answer
+    assert set(json.loads(answer["message"]["content"])) == {"prime"}
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
-        "model": "oss", "messages": ASK, "max_tokens": 2, "max_reasoning_tokens": 5})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "max_reasoning_tokens"
+        "model": model, "messages": ASK, "max_tokens": 2, "max_reasoning_tokens": 5,
+        "tools": [{"type": "function", "function": {
+            "name": "f", "description": "F.",
+            "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "max_reasoning_tokens", r.text

@@ -78,6 +78,9 @@ HARMONY = [  # (output, reasoning, answer)
     ("Just text, no channels.", "", "Just text, no channels."),
     ("<|channel|>analysis<|message|>cut short", "cut short", ""),
     ("<|channel|>commentary to=functions.get", "", "<|channel|>commentary to=functions.get"),
+    # A thinking budget cut the analysis: the grammar went on at the next message.
+    ("<|channel|>analysis<|message|>Is 7 a<|start|>assistant<|channel|>final<|message|>no",
+     "Is 7 a", "no"),
 ]
 
 
