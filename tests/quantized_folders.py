@@ -33,6 +33,10 @@ from pathlib import Path
 from typing import Any
 
 GPTQMODEL = Path(sys.prefix) / "gptqmodel-ref"
+# The tools run on one thread each: the suite runs on every core already, and torch's
+# threads beside a busy neighbour wait on each other far longer than one thread computes.
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+              "TOKENIZERS_PARALLELISM": "false"}
 SIDE = Path(__file__).with_name("gptqmodel_side.py")
 # Each gptqmodel folder: its quantize_config (gptqmodel's QuantizeConfig arguments).
 GPTQMODEL_FOLDERS = {
@@ -50,8 +54,8 @@ def _gptqmodel_version() -> str:
 def _side(*args: str, timeout: int = 900) -> None:
     """Runs gptqmodel_side.py with the side install on its path (paths: absolute)."""
     assert GPTQMODEL.is_dir(), f"{GPTQMODEL} is missing: `make install` puts gptqmodel there"
-    env = {**os.environ, "PYTHONPATH": str(GPTQMODEL), "GPTQMODEL_CPU_WORKERS": "2",
-           "TOKENIZERS_PARALLELISM": "false"}
+    # (gptqmodel's loader asks its CPU pool for 2 workers, and fails with fewer.)
+    env = {**ONE_THREAD, "PYTHONPATH": str(GPTQMODEL), "GPTQMODEL_CPU_WORKERS": "2"}
     with tempfile.TemporaryDirectory() as scratch:  # it writes logs/ where it runs
         run = subprocess.run([sys.executable, str(SIDE.resolve()), *args], env=env, cwd=scratch,
                              capture_output=True, text=True, timeout=timeout)
@@ -78,8 +82,7 @@ def _auto_round(hf: Path, out: Path, *flags: str) -> None:
         subprocess.run([sys.executable, "-m", "auto_round", "--model", str(hf), "--bits", "4",
                         "--group_size", "32", "--iters", "0", "--disable_opt_rtn", *flags,
                         "--format", "auto_gptq,auto_awq", "--output_dir", str(tmp)],
-                       check=True, capture_output=True, timeout=900,
-                       env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+                       check=True, capture_output=True, timeout=900, env=ONE_THREAD)
         (made,) = tmp.iterdir()  # auto-round names it after the model and the scheme
         for kind in made.iterdir():
             kind.rename(tmp / kind.name)
