@@ -20,10 +20,9 @@ from laya_core.kv.hashing import prefix_hashes
 from laya_core.replica.client import EngineClient, RequestTooLongError
 from laya_core.serving.deployment import Deployment
 from laya_core.serving.template_sandbox import TemplateUnavailableError
-from laya_core.structured.markup import controls_in, shown
+from laya_core.structured.markup import shown
 from laya_core.structured.reasoning import ReasoningParser
 from laya_core.structured.spec import GrammarError
-from laya_core.structured.tool_formats import HARMONY_MARKUP
 from laya_core.structured.tool_parsers import CallParser
 from laya_core.structured.tools import call_grammar
 from laya_core.types import FinishReason, Sample, SamplingParams, Timing, TokenEvent
@@ -202,7 +201,7 @@ async def _start(deployment: Deployment, request: ChatRequest | CompletionReques
         thinking = thinking_of(deployment, request, client, prompts[0][0], form)
         if thinking.grammar_needed(req.constraint):
             req = attrs.evolve(req, constraint=thinking.wrap(req.constraint))
-    shown = _shown_markup(deployment, request, client, form)
+    shown = _shown_markup(deployment, request, client, thinking)
     param = "messages" if isinstance(request, ChatRequest) else "prompt"
     limit = client.info().max_seq_len
     runs: list[Running] = []
@@ -238,14 +237,15 @@ async def _start(deployment: Deployment, request: ChatRequest | CompletionReques
 
 
 def _shown_markup(deployment: Deployment, request: ChatRequest | CompletionRequest,
-                  client: EngineClient, form: str) -> tuple[tuple[int, str], ...]:
+                  client: EngineClient, thinking: Thinking | None,
+                  ) -> tuple[tuple[int, str], ...]:
     """The control tokens a chat's output shows for its parsers: its tool-call format's
     markup with tools, gpt-oss's channels with a harmony model (structured/markup.py)."""
     if not isinstance(request, ChatRequest):
         return ()
     controls = deployment.tool_format(client).controls if request.tools is not None else ()
-    if form == "harmony":
-        controls += controls_in(HARMONY_MARKUP, client.tokenizer())
+    if thinking is not None:
+        controls += thinking.controls
     return shown(tuple(dict.fromkeys(controls)))
 
 

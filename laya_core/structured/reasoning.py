@@ -203,30 +203,34 @@ def _then_answer(before: str, rules: list[str], grammar: str | None) -> str:
     return json.dumps({**top, "grammars": [wrapper, *inner]})
 
 
+def harmony_body(lit: Callable[[str], str], budget: int | None = None) -> tuple[str, str]:
+    """A harmony message's body up to its ``<|end|>``, as (the expression, its ``body`` rule),
+    of at most ``budget`` tokens. ``lit`` writes the markup, as control tokens where the
+    vocabulary has them (structured/markup.py).
+
+    Where ``<|end|>`` is a token, free text cannot hold it, and the token ends the body.
+    Where it is text, the body is one lexeme that ends at it and includes it (llguidance's
+    ``suffix``, as :func:`after_reasoning`'s); a body the budget cut then ends at the next
+    ``<|start|>`` (:class:`HarmonyParser` reads either)."""
+    end = lit("<|end|>")
+    token = end.startswith("<[")
+    attributes = ([] if token else [f"suffix={json.dumps('<|end|>')}"]) \
+        + ([f"max_tokens={budget}"] if budget else [])
+    listed = f"[{', '.join(attributes)}]" if attributes else ""
+    return (f"body {end}" if token else "body"), f"body{listed}: /(.|\\n)*/"
+
+
 def harmony_after_reasoning(grammar: str | None, budget: int | None,
                             lit: Callable[[str], str]) -> str:
     """llguidance grammar text for gpt-oss, asked for no tools: its ``analysis`` messages
     first (with ``budget``, one of at most that many tokens: then its end, and the final
-    channel, are written for it), then the ``final``
-    channel's message held to ``grammar`` (None: any text). ``lit`` writes the channel
-    markup, as control tokens where the vocabulary has them (structured/markup.py).
-
-    Where ``<|end|>`` is text, a message's body is one lexeme that ends at it and includes
-    it (llguidance's ``suffix``, as :func:`after_reasoning`'s); a body the budget cut ends
-    at the next ``<|start|>`` (:class:`HarmonyParser` reads either). Where it is a token,
-    free text cannot hold it, and the token ends the body."""
-    end = lit("<|end|>")
-    limit = [f"max_tokens={budget}"] if budget else []
-    if end.startswith("<["):
-        rules = [f"body{'[' + limit[0] + ']' if limit else ''}: /(.|\\n)*/"]
-        body = f"body {end}"
-    else:
-        rules = [f"body[{', '.join(['suffix=' + json.dumps('<|end|>'), *limit])}]: /(.|\\n)*/"]
-        body = "body"  # a body the budget cut goes on at <|start|>, which ends it too
+    channel, are written for it), then the ``final`` channel's message held to ``grammar``
+    (None: any text)."""
+    body, rule = harmony_body(lit, budget)
     message = (f"({lit('<|channel|>')} {lit('analysis')} {lit('<|message|>')} {body} "
                f"{lit(_START)})")
     final = f"{lit('<|channel|>')} {lit('final')} {lit('<|message|>')}"
-    return _then_answer(f"{message}{'?' if budget else '*'} {final}", rules, grammar)
+    return _then_answer(f"{message}{'?' if budget else '*'} {final}", [rule], grammar)
 
 
 _START, _CHANNEL, _MESSAGE = "<|start|>assistant", "<|channel|>", "<|message|>"

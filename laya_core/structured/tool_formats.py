@@ -34,6 +34,7 @@ import attrs
 from laya_core.models.tokenizer import Tokenizer
 from laya_core.structured.formats import MAX_INTEGER_DIGITS, json_options, schema_of
 from laya_core.structured.markup import controls_in, lark_literal
+from laya_core.structured.reasoning import harmony_body
 from laya_core.structured.spec import ConstraintSpec, GrammarError
 from laya_core.structured.tool_parsers import CallParser, JsonCallParser, JsonSyntax
 from laya_core.structured.tools import (
@@ -207,15 +208,13 @@ class Harmony(ToolFormat):
         channel = dict(self.controls).get("<|channel|>")
         if channel is None:
             return super()._free_text(rules)
-        end = self.lit("<|end|>")
-        body = f"BODY {end}" if end.startswith("<[") else "ended"
-        return (f"start: BODY? message* (last | <[{channel}]> "
+        body, body_rule = harmony_body(self.lit)
+        return (f"start: TEXT? message* (last | <[{channel}]> "
                 f"{self.lit('commentary to=functions.')} group)?\n"
                 f"message: <[{channel}]> HEAD {self.lit('<|message|>')} {body} "
                 f"{self.lit('<|start|>assistant')}\n"
-                f"last: <[{channel}]> HEAD {self.lit('<|message|>')} BODY\n" + rules
-                + "HEAD: /[a-z]+/\nBODY: /(.|\\n)*/\n"
-                + 'ended[suffix="<|end|>"]: /(.|\\n)*/\n')
+                f"last: <[{channel}]> HEAD {self.lit('<|message|>')} TEXT\n{body_rule}\n"
+                + rules + "HEAD: /[a-z]+/\nTEXT: /(.|\\n)*/\n")
 
     def call_rules(self, tools: Sequence[Tool]) -> str:
         return _named_calls(self, tools, "{name} <|constrain|>json<|message|>", "<|call|>")
@@ -324,6 +323,7 @@ def detect(template: str | None) -> str:
     return HERMES.name
 
 
+@functools.lru_cache(maxsize=64)  # asked several times a request with tools
 def tool_format(template: str | None, override: str | None = None,
                 tokenizer: Tokenizer | None = None) -> ToolFormat:
     """The model's call format: ``override`` (a deployment's choice; "auto" or None:
