@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -63,6 +64,26 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     fast = item.get_closest_marker("slow") is None
     _FastWatch.started = [] if fast else None
     _FastWatch.imported_before = frozenset(m for m in MODEL_MODULES if m in sys.modules)
+
+
+# A fixture shared by every module (this file's, session-scoped) names its scratch folder
+# with this prefix, so that the module's own cleanup below leaves it alone.
+SESSION_SCRATCH = "session-"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_scratch_freed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Deletes the scratch folders a test module made (copies of the model, Hugging Face
+    exports, servers' folders: up to 1 GB a module) once it is over, so that the suite's
+    scratch never holds more than one module's beside the shared ones: the whole suite left
+    7 GB behind in /tmp otherwise. A test's own ``tmp_path`` goes as it passes
+    (``tmp_path_retention_policy = "failed"`` in pyproject.toml)."""
+    base = tmp_path_factory.getbasetemp()
+    before = set(base.iterdir())
+    yield
+    for made in set(base.iterdir()) - before:
+        if made.is_dir() and not made.name.startswith(SESSION_SCRATCH):
+            shutil.rmtree(made, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
@@ -220,7 +241,7 @@ def smollm_server(request: pytest.FixtureRequest,
     runs the tests of one backend's server, then stops it and starts the next)."""
     backend = request.param
     with serving(smollm_manifest(backend),
-                 tmp_path_factory.mktemp(f"smollm_server_{backend}")) as server:
+                 tmp_path_factory.mktemp(f"{SESSION_SCRATCH}smollm_server_{backend}")) as server:
         server.backend = backend
         yield server
 
@@ -237,7 +258,7 @@ def q4_0_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
     from laya_core.builtin.model_paths import embedded_file
 
-    out = tmp_path_factory.mktemp("models") / "smollm2-135m-instruct.q4_0.gguf"
+    out = tmp_path_factory.mktemp(f"{SESSION_SCRATCH}models") / "smollm2-135m-instruct.q4_0.gguf"
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = 2  # LLAMA_FTYPE_MOSTLY_Q4_0
     params.allow_requantize = True  # the source is Q4_1 already
