@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
+from laya_core.engine.speculative import SpeculativeConfig
 from laya_core.kv.dtypes import FLOAT_KV_DTYPES, KVDtypes
 from laya_core.kv.hashing import BLOCK_SIZE
 from laya_core.models.tokenizer import Tokenizer
@@ -64,6 +65,8 @@ class ModelConfig:
     # (None: none).
     reasoning_format: str = "auto"
     max_reasoning_tokens: int | None = None
+    # Speculative decoding (laya_core/engine/speculative.py); None: off.
+    speculative: SpeculativeConfig | None = None
 
     @property
     def on_demand(self) -> bool:
@@ -128,6 +131,13 @@ class StepItem:
     the allowed tokens only, and a masked token is never sampled. Log-probabilities are
     still the model's own, unmasked. A mask that allows nothing fails this item alone
     (``StepResult.error``).
+
+    ``draft`` (only where ``sample``) is the tail of ``tokens`` that a drafter guessed
+    (laya_core/engine/speculative.py): the backend samples the row before the draft, and
+    while the token it samples is the draft's next one, the row after it too, with the
+    sequence's own sampler, and then drops the KV of the draft tokens it did not keep
+    (positions from ``start_pos + len(tokens) - len(draft) + accepted``). Only backends that
+    say ``supports_speculative`` are given drafts, and never with ``allowed_tokens``.
     """
 
     # The backend's name for the sequence (``KVCache.handle``): its sequence id on the paged
@@ -144,6 +154,7 @@ class StepItem:
     # ``block_table[p // block_size]``. Blocks before ``start_pos`` may be shared with other
     # sequences (a cached prefix) and are only read. Empty for the streams layout.
     block_table: Sequence[int] = ()
+    draft: Sequence[int] = ()
 
 
 @attrs.frozen
@@ -155,6 +166,9 @@ class StepResult:
     # Why this item could not be sampled (its mask allowed no token), said to the client;
     # the engine fails its sequence alone, and the rest of the step stands.
     error: str | None = None
+    # Where the item had a draft: the tokens sampled after ``sample``, one per draft token
+    # kept (each row's token was the draft's next one, so the row after it was sampled too).
+    accepted: tuple[Sample, ...] = ()
 
 
 class Backend(abc.ABC):
@@ -192,6 +206,8 @@ class Backend(abc.ABC):
     # Whether step() scores ``StepItem.score_targets`` (prompt log-probabilities); requests
     # asking for them are refused on backends that do not.
     supports_prompt_logprobs: ClassVar[bool] = False
+    # Whether step() verifies drafts (``StepItem.draft``): speculative decoding.
+    supports_speculative: ClassVar[bool] = False
     # Whether the replica compiles structured output's constraints (response_format, tools,
     # guided decoding) with laya_core.structured: a step-level backend does (the core masks
     # its sampling), and the memory plan counts the grammars' memory; an engine-level

@@ -50,6 +50,9 @@ class SamplingParams:
     # format's markup, which the front end's parser reads (laya_core/structured/markup.py).
     # Every other control token renders as nothing.
     shown_tokens: tuple[tuple[int, str], ...] = ()
+    # Whether the deployment's speculative decoding may draft for this request (where the
+    # model has it on): a request may opt out.
+    speculative: bool = True
 
     @property
     def greedy(self) -> bool:
@@ -119,3 +122,6 @@ class Timing:
     # Layers of the backend's own, by name: an engine-level backend's time waiting on its
     # upstream server ("upstream"). Each is a Server-Timing entry and a laya_timing field.
     layers: tuple[tuple[str, float], ...] = ()
+    # Speculative decoding: draft tokens checked for this request, and those it kept.
+    draft_tokens: int = 0
+    accepted_tokens: int = 0

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem, StepResult
 from laya_core.config import manifest as mf
 from laya_core.engine.allowed_tokens import NO_TOKEN_ALLOWED
@@ -59,6 +61,7 @@ class ToyBackend(Backend):
     kv_layout = "paged"
     option_names = frozenset({"load_delay_s", "fail_load", "step_delay_s", "crash_load"})
     supports_prompt_logprobs = True
+    supports_speculative = True
 
     def load_weights(self) -> ModelInfo:
         time.sleep(self.config.options.get("load_delay_s", 0.0))
@@ -118,9 +121,18 @@ class ToyBackend(Backend):
                        for t in item.score_targets)
         if not item.sample:
             return StepResult(None, scores)
-        prompt_len = self.prompt_len.setdefault(item.seq_id, end)
-        token = history[end % prompt_len] or END
-        return self._sample(item, token, scores)  # type: ignore[arg-type]
+        fed = end - len(item.draft)  # the draft's rows come after the row that samples
+        prompt_len = self.prompt_len.setdefault(item.seq_id, fed)
+        token = history[fed % prompt_len] or END
+        result = self._sample(item, token, scores)  # type: ignore[arg-type]
+        accepted: list[Sample] = []
+        for j, drafted in enumerate(item.draft):  # kept while the model says the draft
+            if token != drafted:
+                break
+            token = history[(fed + j + 1) % prompt_len] or END
+            accepted.append(Sample(token, 0.0))
+        self.started[item.seq_id] = fed + len(accepted)  # the rest is fed again
+        return attrs.evolve(result, accepted=tuple(accepted)) if accepted else result
 
     @staticmethod
     def _sample(item: StepItem, token: int, scores: tuple[Sample, ...]) -> StepResult:

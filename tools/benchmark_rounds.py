@@ -63,7 +63,7 @@ path = {path}
 """
 # A spec's keys that belong to the model's table rather than to its options.
 MODEL_KEYS = frozenset({"max_seq_len", "max_num_seqs", "max_step_tokens", "max_queue",
-                        "kv_dtype", "replicas", "scheduler", "cache_policy"})
+                        "kv_dtype", "replicas", "scheduler", "cache_policy", "speculative"})
 LLAMA_CONFIGS = ("llama-defaults=", "llama-np8=-np 8 -c 16384")
 
 
@@ -74,6 +74,8 @@ def _free_port() -> int:
 
 
 def _toml_value(value: Any) -> str:
+    if isinstance(value, dict):  # an inline table: {"method": "ngram"} -> { method = "ngram" }
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
     return json.dumps(value)  # strings, numbers and booleans are spelt alike in TOML
 
 
@@ -175,7 +177,7 @@ def measure(server: Server, args: argparse.Namespace, log: Path) -> dict[int, di
         run = subprocess.run(
             [sys.executable, str(TOOLS / "benchmark_serving.py"), "--url", server.url,
              "--concurrency", args.concurrency, "--requests", str(args.requests),
-             "--max-tokens", str(args.max_tokens)],
+             "--max-tokens", str(args.max_tokens), "--prompt-set", args.prompt_set],
             capture_output=True, text=True, timeout=args.timeout_s, check=True)
     finally:
         for p in busy:
@@ -236,6 +238,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,8", help="levels, as for benchmark_serving.py")
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompt-set", default="mixed", help="benchmark_serving.py's prompts "
+                   "(copy: rewrite a file with one change, where prompt lookup helps)")
     p.add_argument("--busy", type=int, default=0, help="CPU-bound processes beside each run")
     p.add_argument("--baseline", help="the server the ratios are to (default: the first)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per benchmark run")

@@ -68,8 +68,61 @@ LONG_PROMPTS = (
      "when the fence will be finished, and who should stop first if they want to share the work "
      "evenly."),
 )
+# A file of about 400 tokens to rewrite with one change: a copy, the work speculative
+# decoding by prompt lookup speeds up (the output repeats long stretches of the prompt).
+_CODE = '''import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Account:
+    owner: str
+    balance: float = 0.0
+    history: list[tuple[str, float]] = field(default_factory=list)
+
+    def deposit(self, amount: float) -> None:
+        if amount <= 0:
+            raise ValueError("a deposit must be positive")
+        self.balance += amount
+        self.history.append(("deposit", amount))
+
+    def withdraw(self, amount: float) -> None:
+        if amount <= 0:
+            raise ValueError("a withdrawal must be positive")
+        if amount > self.balance:
+            raise ValueError("not enough money in the account")
+        self.balance -= amount
+        self.history.append(("withdraw", amount))
+
+
+def load_accounts(path: Path) -> dict[str, Account]:
+    accounts = {}
+    for row in json.loads(path.read_text()):
+        account = Account(row["owner"], row["balance"])
+        accounts[account.owner] = account
+    return accounts
+
+
+def save_accounts(path: Path, accounts: dict[str, Account]) -> None:
+    rows = [{"owner": a.owner, "balance": a.balance} for a in accounts.values()]
+    path.write_text(json.dumps(rows, indent=2))
+
+
+def transfer(source: Account, target: Account, amount: float) -> None:
+    source.withdraw(amount)
+    target.deposit(amount)
+'''
+COPY_PROMPTS = (
+    f"Rewrite this Python file with the class Account renamed to Wallet. Output the whole "
+    f"file and nothing else.\n\n{_CODE}",
+    f"Rewrite this Python file so that every error message ends with a full stop. Output the "
+    f"whole file and nothing else.\n\n{_CODE}",
+    f"Rewrite this Python file with the parameter amount renamed to value everywhere. Output "
+    f"the whole file and nothing else.\n\n{_CODE}",
+)
 PROMPT_SETS = {"short": SHORT_PROMPTS, "long": LONG_PROMPTS,
-               "mixed": SHORT_PROMPTS + LONG_PROMPTS}
+               "mixed": SHORT_PROMPTS + LONG_PROMPTS, "copy": COPY_PROMPTS}
 
 
 class StreamProblem(Exception):
@@ -326,7 +379,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=_positive, default=64, help="max_tokens of each request")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--prompt-set", choices=sorted(PROMPT_SETS), default="mixed",
-                   help="built-in prompts: short questions, long tasks, or both")
+                   help="built-in prompts: short questions, long tasks, both, or copy "
+                   "(rewrite a 400-token file with one change)")
     p.add_argument("--seed", type=int, default=0, help="prompt order; request i sends seed+i")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request, in all")
     p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")

@@ -36,6 +36,7 @@ from laya_core.config.table import (
     non_empty,
     parse_size,
 )
+from laya_core.engine.speculative import SpeculativeConfig
 from laya_core.replica.worker_link import DEFAULT_SILENCE_S
 from laya_core.routing.router import POLICIES
 from laya_core.structured.reasoning import REASONING_FORMATS
@@ -144,7 +145,11 @@ MODEL_KEYS = ("name", "backend", "path", "max_seq_len", "max_num_seqs", "kv_cach
               "kv_cache_dtype", "prefix_caching", "routing", "replicas", "max_step_tokens",
               "max_queue", "queue_timeout_s", "scheduler", "cache_policy", "embeddings",
               "tool_call_format", "reasoning_format", "max_reasoning_tokens", "load",
-              "idle_unload_s", "options")
+              "idle_unload_s", "speculative", "options")
+SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min",
+                    "prompt_lookup_max")
+# Speculative decoding's methods (laya_core/engine/speculative.py).
+SPECULATIVE_METHODS = ("ngram",)
 
 
 def _name_problem(v: str) -> str | None:
@@ -153,6 +158,22 @@ def _name_problem(v: str) -> str | None:
 
 
 # A model path such as embedded:NAME, which a resolve_model_path plugin turns into a file.
+
+
+def _speculative(data: Any, where: str, problems: Problems) -> SpeculativeConfig:
+    """A model's ``speculative`` table (absent: off)."""
+    t = Table(data, where, problems)
+    method = t.get("method", str, "ngram", check=lambda v: None if v in SPECULATIVE_METHODS
+                   else 'must be "ngram" (prompt lookup); "draft", a draft model, is not '
+                   "built yet" if v == "draft" else 'must be "ngram" (prompt lookup)')
+    default = SpeculativeConfig()
+    k = t.int_in("num_speculative_tokens", 1, 32, default.num_speculative_tokens)
+    low = t.int_in("prompt_lookup_min", 1, 32, default.prompt_lookup_min)
+    high = t.int_in("prompt_lookup_max", 1, 32, default.prompt_lookup_max)
+    if low is not None and high is not None and low > high:
+        t.problem("prompt_lookup_max", f"must be at least prompt_lookup_min ({low}), got {high}")
+    t.finish(SPECULATIVE_KEYS)
+    return SpeculativeConfig(method, k, low, high)  # (a problem recorded fails the manifest)
 
 
 def _model(data: Any, index: int, base_dir: Path, problems: Problems) -> ModelConfig | None:
@@ -206,6 +227,9 @@ def _model(data: Any, index: int, base_dir: Path, problems: Problems) -> ModelCo
     if idle_unload_s is not None and load != "on_demand":
         t.problem("idle_unload_s", 'applies to models loaded on demand: set load = '
                   '"on_demand" too, or remove it (a model loaded always stays loaded)')
+    raw_speculative = t.get("speculative", dict, None)
+    speculative = None if raw_speculative is None else \
+        _speculative(raw_speculative, t.key("speculative"), problems)
     t.finish(MODEL_KEYS)
     if name is None or path is None:
         return None
@@ -215,7 +239,7 @@ def _model(data: Any, index: int, base_dir: Path, problems: Problems) -> ModelCo
                        float(queue_timeout_s), options, embeddings, tool_call_format,
                        load or "always",
                        None if idle_unload_s is None else float(idle_unload_s),
-                       reasoning_format or "auto", max_reasoning_tokens)
+                       reasoning_format or "auto", max_reasoning_tokens, speculative)
 
 
 def _from_dict(data: Mapping[str, Any], source: str, base_dir: Path,

@@ -36,6 +36,7 @@ from laya_core.engine.loading import build_scheduler
 from laya_core.engine.progress import Live
 from laya_core.engine.request import Request
 from laya_core.engine.scheduler import Scheduler
+from laya_core.engine.speculative import NgramDrafter, SpeculativeStats
 from laya_core.engine.state import EngineState, EngineUnavailableError, QueueFullError
 from laya_core.engine.stream import ADMITTED, Courier, EventSink, GenerationStream, deliver
 from laya_core.kv.policies import KVCache, KVOp
@@ -93,6 +94,7 @@ class Engine:
         self.generated_tokens = 0  # tokens sampled for all sequences, for a live tokens/s
         self.embedded_tokens = 0  # input tokens fed to the backend's embedding passes
         self.embed_passes = 0  # the backend's embed_step calls
+        self.speculative = SpeculativeStats()  # drafts checked and tokens kept
         # Where the engine thread's time goes, layer by layer (laya_core/engine/layer_clock.py);
         # a worker process adds its step messages' time.
         self.clock = LayerClock()
@@ -148,6 +150,12 @@ class Engine:
         assert self.tokenizer is not None
         seq = Request(next(self._ids), list(prompt_token_ids), params, constraint=constraint,
                       min_last_chunk=self.backend.min_last_prompt_chunk)
+        spec = self.config.speculative
+        # Drafts are checked row by row with the sequence's own sampler; a constraint's mask
+        # would have to follow each draft token, so a constrained sequence decodes plainly.
+        if spec is not None and params.speculative and constraint is None \
+                and self.backend.supports_speculative:
+            seq.drafter = NgramDrafter(spec, seq.prompt_token_ids)
         stream = GenerationStream(seq.seq_id, seq.num_prompt_tokens, self.cancel)
         detok = IncrementalDetokenizer(self.tokenizer.token_bytes, params.stop,
                                        params.shown_tokens)
@@ -435,21 +443,31 @@ class Engine:
             return
         start = self.clock.add(layer, start)
         for c, result in zip(chunks, sampled, strict=True):
-            c.seq.num_computed += len(c.tokens)
-            self.scheduler.kv.computed(c.seq)
-            live = self._live[c.seq.seq_id]
+            seq = c.seq
+            seq.num_computed += len(c.tokens)
+            live = self._live[seq.seq_id]
             live.prompt_logprobs += result.scores
             if result.error == NO_TOKEN_ALLOWED:  # its constraint cannot go on: cut short
                 self._finish(live, FinishReason.LENGTH, "", result.error)
             elif result.error is not None:  # this sequence alone could not go on
                 self._finish(live, FinishReason.ERROR, "", result.error)
             elif result.sample is not None:
-                self._on_token(live, result.sample)
+                if c.draft:
+                    self._drafted(seq, len(c.draft), len(result.accepted))
+                if self._on_token(live, result.sample):
+                    # Each kept draft token is the sample before it, whose KV it computed.
+                    for sample in result.accepted:
+                        seq.num_computed += 1
+                        if not self._on_token(live, sample):
+                            break
+            if seq.seq_id in self._live:  # (a finished one's cache has had its say)
+                self.scheduler.kv.computed(seq)
         self.clock.add(DETOKENIZE, start)
         if not self.scheduler.has_work:
             self._flush()  # no next step to carry them
 
-    def _on_token(self, live: Live, sample: Sample) -> None:
+    def _on_token(self, live: Live, sample: Sample) -> bool:
+        """Hand on a sampled token; False when it ended its sequence."""
         assert self.info is not None
         self.generated_tokens += 1
         out = live.add_token(sample, self.info.eog_token_ids, self.max_seq_len)
@@ -457,9 +475,21 @@ class Engine:
         if out.finish is None:
             self._emit(live, TokenEvent(out.text, token, samples=out.samples,
                                         prompt_logprobs=out.prompt_logprobs))
-        else:
-            self._finish(live, out.finish, out.text, token_ids=token, samples=out.samples,
-                         prompt_logprobs=out.prompt_logprobs)
+            return True
+        self._finish(live, out.finish, out.text, token_ids=token, samples=out.samples,
+                     prompt_logprobs=out.prompt_logprobs)
+        return False
+
+    def _drafted(self, seq: Request, num_draft: int, num_accepted: int) -> None:
+        """Count a checked draft, for the sequence, its drafter and the replica."""
+        assert seq.drafter is not None
+        seq.drafter.accepted(num_draft, num_accepted)
+        seq.num_draft_tokens += num_draft
+        seq.num_accepted_tokens += num_accepted
+        stats = self.speculative
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_draft
+        stats.num_accepted_tokens += num_accepted
 
     def _finish(self, live: Live, reason: FinishReason, text: str, error: str | None = None,
                 token_ids: tuple[int, ...] = (), samples: tuple[Sample, ...] = (),

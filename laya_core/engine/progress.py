@@ -72,4 +72,5 @@ class Live:
         admitted = seq.admitted_time or end
         first = seq.first_token_time or end
         return Timing(queue_s=admitted - seq.arrival_time, prefill_s=first - admitted,
-                      decode_s=end - first, token_gaps_s=tuple(self.token_gaps))
+                      decode_s=end - first, token_gaps_s=tuple(self.token_gaps),
+                      draft_tokens=seq.num_draft_tokens, accepted_tokens=seq.num_accepted_tokens)

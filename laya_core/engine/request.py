@@ -12,6 +12,7 @@ from laya_core.types import FinishReason, SamplingParams
 
 if TYPE_CHECKING:
     from laya_core.engine.allowed_tokens import AllowedTokens, TokenConstraint
+    from laya_core.engine.speculative import NgramDrafter
 
 
 class RequestStatus(enum.Enum):
@@ -51,6 +52,11 @@ class Request:
     # and so the fewest a prefix reuse leaves to compute: the backend's
     # Backend.min_last_prompt_chunk (1: the token the first output is sampled from).
     min_last_chunk: int = 1
+    # Where speculative decoding is on for this sequence, what drafts its next tokens
+    # (laya_core/engine/speculative.py); and its drafts' counts, for its timing.
+    drafter: NgramDrafter | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -26,6 +26,9 @@ class PlannedChunk:
     start_pos: int
     seq_id: int  # the backend's name for the sequence (KVCache.handle)
     block_table: tuple[int, ...] = ()  # paged layouts: the blocks of positions 0 ..
+    # A decoding sequence's drafted next tokens, fed after ``tokens`` for the model to check
+    # (laya_core/engine/speculative.py); not the sequence's tokens unless it keeps them.
+    draft: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
@@ -36,10 +39,11 @@ class PlannedChunk:
         """What the backend is asked: the tokens to feed, the prompt tokens to score, and
         the tokens the sampled one may be."""
         seq, samples = self.seq, self.samples
-        return StepItem(self.seq_id, self.tokens, self.start_pos, samples,
+        return StepItem(self.seq_id, self.tokens + self.draft, self.start_pos, samples,
                         seq.score_targets(self.start_pos, len(self.tokens)),
                         seq.params.prompt_logprobs or 0, block_table=self.block_table,
-                        allowed_tokens=seq.allowed_tokens() if samples else None)
+                        allowed_tokens=seq.allowed_tokens() if samples else None,
+                        draft=self.draft)
 
 
 @attrs.frozen
@@ -59,7 +63,9 @@ def build_plan(kv: KVCache, order: Iterable[Request], max_step_tokens: int,
 
     A prompt whose log-probabilities are wanted shares ``max_scored_tokens`` a step (each
     scored row needs a row of logits, counted in the memory plan). A sequence whose only
-    chunk would leave one lone last prompt token waits (``Request.tokens_to_compute``).
+    chunk would leave one lone last prompt token waits (``Request.tokens_to_compute``). A
+    decoding sequence with a drafter feeds its draft too, inside the budget, and never past
+    the room it was admitted with (``Request.max_total_tokens``).
     """
     budget, scored = max_step_tokens, max_scored_tokens
     chunks: list[PlannedChunk] = []
@@ -69,8 +75,13 @@ def build_plan(kv: KVCache, order: Iterable[Request], max_step_tokens: int,
         scoring = seq.scores_prompt and seq.is_prefilling
         tokens = seq.tokens_to_compute(min(budget, scored) if scoring else budget)
         if tokens:
+            draft: tuple[int, ...] = ()
+            if seq.drafter is not None and not seq.is_prefilling and budget > 1:
+                # k drafts and the token after them: at most max_total_tokens in all.
+                room = min(budget - 1, seq.max_total_tokens - seq.num_tokens - 1)
+                draft = tuple(seq.drafter.draft(seq.output_token_ids, room))
             chunks.append(PlannedChunk(seq, tuple(tokens), seq.num_computed, kv.handle(seq),
-                                       kv.block_table(seq)))
-            budget -= len(tokens)
+                                       kv.block_table(seq), draft))
+            budget -= len(tokens) + len(draft)
             scored -= len(tokens) if scoring else 0
     return StepPlan(kv.take_ops(), tuple(chunks))

@@ -61,6 +61,8 @@ class GenerationRequest:
     max_tokens_param: str = "max_tokens"
     # What the output must match (response_format, structured_outputs, guided_*, tools).
     constraint: ConstraintSpec | None = None
+    # False: no speculative decoding for this request, where the model has it on.
+    speculative: bool = True
 
 
 @attrs.frozen
@@ -206,6 +208,7 @@ def common_fields(b: Body, logprobs: int | None, min_max_tokens: int = 1) -> Gen
         constraint=constraint, n=n, logprobs=logprobs, prompt_logprobs=prompt_logprobs, stop_token_ids=tuple(stop_ids),
         max_tokens_param="max_tokens" if newer is None else "max_completion_tokens",
         ignore_eos=b.get("ignore_eos", bool, False),
+        speculative=b.get("speculative", bool, True),
         priority=b.integer("priority", -INT32_MAX - 1, INT32_MAX),
         presence_penalty=b.number("presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=b.number("frequency_penalty", 0.0, -2.0, 2.0),

@@ -175,7 +175,9 @@ def snapshot(d: Deployment, window: LatencyWindow) -> dict[str, Any]:
                              "queried_tokens": s.prefix_queried_tokens,
                              "hit_tokens": s.prefix_tokens_reused},
             "running": s.num_running, "waiting": s.num_waiting,
-            "rejections": dict(s.rejections)})
+            "rejections": dict(s.rejections),
+            "speculative": {"drafts": s.spec_drafts, "draft_tokens": s.spec_draft_tokens,
+                            "accepted_tokens": s.spec_accepted_tokens}})
     memory = None
     if d.plan is not None:
         memory = {"budget_bytes": d.plan.budget.bytes, "budget_source": d.plan.budget.source,

@@ -77,7 +77,8 @@ def _params(req: GenerationRequest, max_tokens: int, choice: int,
         min_p=req.min_p, seed=seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
         ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-        logprobs=req.logprobs, prompt_logprobs=prompt_logprobs, priority=req.priority or 0)
+        logprobs=req.logprobs, prompt_logprobs=prompt_logprobs, priority=req.priority or 0,
+        speculative=req.speculative)
 
 
 def prompt_top(request: ChatRequest | CompletionRequest) -> int | None:
@@ -342,7 +343,9 @@ def combined_timing(results: Sequence[Timing | None]) -> Timing | None:
         for name, seconds in t.layers:
             layers[name] = max(layers.get(name, 0.0), seconds)
     return Timing(max(t.queue_s for t in timings), max(t.prefill_s for t in timings),
-                  max(t.decode_s for t in timings), layers=tuple(layers.items()))
+                  max(t.decode_s for t in timings), layers=tuple(layers.items()),
+                  draft_tokens=sum(t.draft_tokens for t in timings),
+                  accepted_tokens=sum(t.accepted_tokens for t in timings))
 
 
 def server_timing(route_s: float, timing: Timing | None) -> str:
@@ -355,10 +358,14 @@ def server_timing(route_s: float, timing: Timing | None) -> str:
 
 
 def timing_object(route_s: float, timing: Timing | None) -> dict[str, float]:
+    """The ``laya_timing`` object; with speculative decoding, its draft tokens checked and
+    kept too (kept over checked: the request's acceptance rate)."""
     t = timing or Timing(0.0, 0.0, 0.0)
+    spec = {"spec_draft_tokens": t.draft_tokens, "spec_accepted_tokens": t.accepted_tokens} \
+        if t.draft_tokens else {}
     return {"route_ms": route_s * 1000, "queue_ms": t.queue_s * 1000,
             "prefill_ms": t.prefill_s * 1000, "decode_ms": t.decode_s * 1000,
-            **{f"{name}_ms": seconds * 1000 for name, seconds in t.layers}}
+            **{f"{name}_ms": seconds * 1000 for name, seconds in t.layers}, **spec}
 
 
 def usage(runs: Sequence[Running], n: int) -> dict[str, Any]:

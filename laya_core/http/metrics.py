@@ -66,6 +66,14 @@ class DeploymentCollector:
                                     labels=_LABELS)
         sampled = CounterMetricFamily("laya:engine_generated_tokens",
                                       "Tokens the engine sampled, as they come.", labels=_LABELS)
+        # vLLM's spec_decode series: their ratio is the acceptance rate, and accepted tokens
+        # over drafts is the mean number of draft tokens kept per check.
+        drafts = CounterMetricFamily("laya:spec_decode_num_drafts",
+                                     "Drafts checked by speculative decoding.", labels=_LABELS)
+        draft_tokens = CounterMetricFamily("laya:spec_decode_num_draft_tokens",
+                                           "Draft tokens checked.", labels=_LABELS)
+        accepted = CounterMetricFamily("laya:spec_decode_num_accepted_tokens",
+                                       "Draft tokens the model kept.", labels=_LABELS)
         snap = d.snapshot()
         for client, e in snap.replicas:
             labels = [e.model, str(e.replica_id)]
@@ -89,11 +97,15 @@ class DeploymentCollector:
                 layers.add_metric([*labels, layer], seconds)
             steps.add_metric(labels, e.num_steps)
             sampled.add_metric(labels, e.generated_tokens)
+            drafts.add_metric(labels, e.spec_drafts)
+            draft_tokens.add_metric(labels, e.spec_draft_tokens)
+            accepted.add_metric(labels, e.spec_accepted_tokens)
         for model, counts in snap.front_rejections.items():
             for reason, count in counts.items():
                 rejected.add_metric([model, "", reason], count)
         yield from (running, waiting, usage, gpu_usage, used, capacity, cached, queries, hits,
-                    hit_seqs, success, rejected, up, restarts, layers, steps, sampled)
+                    hit_seqs, success, rejected, up, restarts, layers, steps, sampled, drafts,
+                    draft_tokens, accepted)
         yield from _sandbox(d)
         yield from _residency(d)
         if d.plan is not None:

@@ -51,6 +51,15 @@ def scored_tokens_per_step(max_step_tokens: int) -> int:
     return min(max_step_tokens, MAX_SCORED_TOKENS_PER_STEP)
 
 
+def sampled_rows_per_step(config: ModelConfig) -> int:
+    """How many rows of logits one step may sample: one per running sequence, and with
+    speculative decoding one more per draft token, within the step's token budget."""
+    seqs = config.max_num_seqs or 1  # (a plan's config has it decided)
+    if config.speculative is None:
+        return seqs
+    return min(config.max_step_tokens, seqs * (1 + config.speculative.num_speculative_tokens))
+
+
 @attrs.frozen
 class ReplicaLedger:
     model: str
@@ -193,7 +202,7 @@ def sizes_for(config: ModelConfig, n_ctx_train: int) -> ModelConfig:
                              f"({max_seq_len}): one full-length sequence would not fit")
         seqs = config.max_num_seqs or min(256, max(1, pool // max_seq_len))
     else:
-        seqs = config.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+        seqs = config.max_num_seqs or 1  # (a plan's config has it decided)
         pool = max_seq_len * seqs
     step = max(config.max_step_tokens, seqs)
     return attrs.evolve(config, max_seq_len=max_seq_len, max_num_seqs=seqs, kv_cache_tokens=pool,

@@ -10,6 +10,7 @@ import attrs
 from laya_core.backend import Backend, MemoryProfile, ModelConfig, Overhead
 from laya_core.config.manifest import Manifest
 from laya_core.config.table import Problems
+from laya_core.engine.speculative import drafter_bytes_per_token
 from laya_core.kv.dtypes import bytes_per_element
 from laya_core.memory import budget as budget_mod
 from laya_core.memory.ledger import (
@@ -68,6 +69,18 @@ def _with_constraints(profile: MemoryProfile, shape: ModelShape) -> MemoryProfil
         f"({fmt_bytes(child)}: interpreter, index, one compile)")))
 
 
+def _with_drafts(profile: MemoryProfile, config: ModelConfig) -> MemoryProfile:
+    """Speculative decoding's share: each running sequence's drafter indexes its tokens, and
+    the running sequences hold at most the KV pool's tokens."""
+    assert config.speculative is not None
+    per_token = drafter_bytes_per_token(config.speculative)
+    tokens = config.kv_cache_tokens or 0
+    return attrs.evolve(profile, overheads=(*profile.overheads, Overhead(
+        "speculative drafts", tokens * per_token,
+        f"prompt lookup's n-gram index: {tokens} pool tokens x {per_token} B (measured "
+        "391 B a token for n-grams of 2 to 4 tokens)")))
+
+
 def _ledgers(configs: list[tuple[ModelConfig, ModelShape, type[Backend]]],
              processes: bool = False) -> list[ReplicaLedger]:
     ledgers, replica = [], 0
@@ -75,6 +88,8 @@ def _ledgers(configs: list[tuple[ModelConfig, ModelShape, type[Backend]]],
         profile = cls.memory_profile(config, shape)
         if cls.supports_constraints:
             profile = _with_constraints(profile, shape)
+        if config.speculative is not None and cls.supports_speculative:
+            profile = _with_drafts(profile, config)
         if processes and cls.load_tokenizer is not Backend.load_tokenizer:  # as Deployment
             profile = _in_worker(profile, shape)
         for _ in range(config.replicas):

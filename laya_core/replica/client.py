@@ -93,6 +93,10 @@ class ReplicaSnapshot:
     # and the engine steps that ran the backend.
     layer_seconds: Mapping[str, float] = attrs.field(factory=dict)
     num_steps: int = 0
+    # Speculative decoding since then: drafts checked, their tokens, and those kept.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def ready(self) -> bool:
@@ -194,7 +198,10 @@ class LocalEngineClient(EngineClient):
             generated_tokens=e.generated_tokens, embedded_tokens=e.embedded_tokens,
             finished=dict(e.finished), rejections=dict(e.rejections),
             layer_seconds=e.clock.seconds(),
-            num_steps=e.clock.calls[BACKEND] + e.clock.calls[PREFILL])
+            num_steps=e.clock.calls[BACKEND] + e.clock.calls[PREFILL],
+            spec_drafts=e.speculative.num_drafts,
+            spec_draft_tokens=e.speculative.num_draft_tokens,
+            spec_accepted_tokens=e.speculative.num_accepted_tokens)
 
     def info(self) -> ReplicaInfo:
         if self._info is None:

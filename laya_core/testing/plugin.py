@@ -104,6 +104,28 @@ def laya_engine(laya_deployment: Deployment) -> Engine:
 
 
 @pytest.fixture(scope="session")
+def laya_speculative_engine(laya_registry: Registry, laya_model: dict[str, Any],
+                            laya_engine: Engine) -> Iterator[Engine]:
+    """A second replica of the model under test with speculative decoding on (prompt
+    lookup), for a backend that says ``supports_speculative``; skipped, saying so, for one
+    that does not (a backend is not required to verify drafts)."""
+    if not type(laya_engine.backend).supports_speculative:
+        pytest.skip(f"the {laya_model['backend']} backend does not verify drafts "
+                    "(supports_speculative is False)")
+    model = {**laya_model, "name": "under-test-speculative",
+             "speculative": {"method": "ngram", "num_speculative_tokens": 4}}
+    deployment = Deployment(mf.resolve(mf.from_dict({"models": [model]}), laya_registry),
+                            laya_registry)
+    deployment.start()
+    if not deployment.wait_ready(300):
+        error = deployment.clients[0].state().error
+        deployment.stop()
+        pytest.fail(f"the speculative replica did not load: {error}")
+    yield deployment.engines[0]
+    deployment.stop()
+
+
+@pytest.fixture(scope="session")
 def laya_client(laya_deployment: Deployment) -> EngineClient:
     """The replica as the HTTP side sees it, whichever kind of backend serves it."""
     return laya_deployment.clients[0]

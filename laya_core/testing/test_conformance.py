@@ -262,6 +262,27 @@ def test_no_kv_leaks_after_many_sequences(laya_engine: Engine) -> None:
     idle(laya_engine)
 
 
+def test_speculative_decoding_keeps_exactly_the_tokens_of_a_plain_run(
+        laya_engine: Engine, laya_speculative_engine: Engine) -> None:
+    """Drafts (prompt lookup) checked by the backend change no token: greedy and seeded
+    output, alone and beside others, is the replica's without drafts; and the backend kept
+    some drafts and refused others, so both of its paths ran (a refused draft's KV must be
+    gone, or the tokens after it would differ)."""
+    spec = laya_speculative_engine
+    copy = f"{LONG} Again, word for word: {LONG[:80]}"
+    prompts = [ids(spec, copy), ids(spec, "1, 2, 3, 1, 2, 3, 1, 2,"), ids(spec, TEXTS[0])]
+    requests = [(p, {"max_tokens": 32, "temperature": 0.0}) for p in prompts] + \
+        [(p, {"max_tokens": 32, "temperature": 0.9, "seed": 11 + i})
+         for i, p in enumerate(prompts)]
+    for prompt, params in requests:
+        assert run(spec, prompt, **params).tokens == run(laya_engine, prompt, **params).tokens
+    assert [r.tokens for r in together(spec, *requests)] == \
+        [r.tokens for r in together(laya_engine, *requests)]
+    stats = spec.speculative
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    idle(spec)
+
+
 def test_the_suite_ran_on_a_real_model_file(laya_engine: Engine) -> None:
     path = laya_engine.config.path
     assert Path(path).exists(), path

@@ -36,7 +36,7 @@ from laya_core.backend import (
     StepItem,
     StepResult,
 )
-from laya_core.engine.allowed_tokens import NO_TOKEN_ALLOWED
+from laya_core.engine.allowed_tokens import NO_TOKEN_ALLOWED, AllowedTokens
 from laya_core.engine.embed_jobs import EmbedPlan, embed_whole
 from laya_core.engine.threads import ThreadGovernor
 from laya_core.models.files import ModelShape
@@ -68,6 +68,7 @@ class LlamaCppBackend(Backend):
     # A KV stream per slot, placed by the plugin's cache policy (streams.StreamsKVCache).
     kv_layout = "streams"
     supports_prompt_logprobs = True
+    supports_speculative = True
     supports_embeddings = True
     embeds_in_chunks = True  # embed_step: chunks of inputs, several inputs a decode
     # Whether a running sequence can change slots (move_sequence): set at allocation, where
@@ -244,9 +245,10 @@ class LlamaCppBackend(Backend):
         order = sorted(range(len(items)), key=lambda i: items[i].seq_id)
         if self._unified or not self._chunks_alone:
             return [order]
-        decoding = [i for i in order if len(items[i].tokens) == 1]
+        # Decoding: one token each, and the drafts a sequence's checked tokens follow.
+        decoding = [i for i in order if len(items[i].tokens) - len(items[i].draft) == 1]
         return ([decoding] if decoding else []) + [[i] for i in order
-                                                   if len(items[i].tokens) > 1]
+                                                   if len(items[i].tokens) - len(items[i].draft) > 1]
 
     def _run(self, items: Sequence[StepItem], group: list[int],
              out: list[StepResult]) -> None:
@@ -266,9 +268,10 @@ class LlamaCppBackend(Backend):
                 batch.seq_id[n][0] = item.seq_id
                 batch.logits[n] = j < num_scored
                 n += 1
-            if item.sample:
-                batch.logits[n - 1] = True
-                rows.append((i, n - 1))
+            if item.sample:  # the last row, and the rows of a draft before it
+                for row in range(n - 1 - len(item.draft), n):
+                    batch.logits[row] = True
+                rows.append((i, n - 1 - len(item.draft)))
         batch.n_tokens = n
         rc = self._decode(batch)
         if rc != 0:
@@ -299,11 +302,28 @@ class LlamaCppBackend(Backend):
         allowed = item.allowed_tokens
         if allowed is not None and allowed.is_empty():
             return StepResult(None, scores, NO_TOKEN_ALLOWED)
+        first = self._sample_row(item, row, allowed)
+        if not item.draft:
+            return StepResult(first, scores)
+        # Each row's token decides whether the next row counts: while it is the draft's next
+        # token, that token's row was computed on the right text and is sampled in turn.
+        accepted: list[Sample] = []
+        last = first
+        for token in item.draft:
+            if last.token_id != token:
+                break
+            last = self._sample_row(item, row + len(accepted) + 1, None)
+            accepted.append(last)
+        if len(accepted) < len(item.draft):  # the KV of the draft tokens not kept
+            dropped = item.start_pos + len(item.tokens) - len(item.draft) + len(accepted)
+            self._ll.llama_memory_seq_rm(self._mem, item.seq_id, dropped, -1)
+        return StepResult(first, scores, accepted=tuple(accepted))
+
+    def _sample_row(self, item: StepItem, row: int, allowed: AllowedTokens | None) -> Sample:
         sampler, top = self._samplers[item.seq_id], self._params[item.seq_id].logprobs
         logits = np.ctypeslib.as_array(self._ll.llama_get_logits_ith(self._ctx, row),
                                        shape=(self._n_vocab,))
-        return StepResult(sampling.sample_row(self._ll, self._ctx, sampler, row, logits,
-                                              allowed, top), scores)
+        return sampling.sample_row(self._ll, self._ctx, sampler, row, logits, allowed, top)
 
     def share_prefix(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
         ll = self._ll

@@ -7,7 +7,7 @@ import math
 
 from laya_core.backend import MemoryProfile, ModelConfig, Overhead
 from laya_core.kv.dtypes import FLOAT_KV_DTYPES, kv_bytes_per_token
-from laya_core.memory.ledger import scored_tokens_per_step
+from laya_core.memory.ledger import sampled_rows_per_step, scored_tokens_per_step
 from laya_core.models.files import ModelShape
 
 _KV_CELL_ALIGN = 256  # llama.cpp pads each KV stream to this many cells
@@ -123,6 +123,7 @@ def memory_profile(config: ModelConfig, shape: ModelShape) -> MemoryProfile:
     counted as the larger + n_ubatch x hidden x 32 B (9 MiB at 512).
     """
     step, seqs = config.max_step_tokens, config.max_num_seqs or 1
+    sampled = sampled_rows_per_step(config)
     pool = config.kv_cache_tokens or 0
     per_token = kv_bytes_per_token(shape, config.kv_cache_dtype, GGML_KV_DTYPES)
     unified, cells = kv_layout(config, pool, seqs)
@@ -145,8 +146,10 @@ def memory_profile(config: ModelConfig, shape: ModelShape) -> MemoryProfile:
             Overhead("KV padding", (cells - pool) * per_token,
                      f"{cells} cells in {'one buffer' if unified else f'{seqs} streams'}: "
                      f"llama.cpp rounds each to {_KV_CELL_ALIGN}"),
-            Overhead("logits buffer", shape.vocab_size * seqs * 4,
-                     f"vocab x {seqs} sequences x 4 B"),
+            Overhead("logits buffer", shape.vocab_size * sampled * 4,
+                     f"vocab x {seqs} sequences x 4 B" if sampled == seqs else
+                     f"vocab x {sampled} sampled rows ({seqs} sequences and their draft "
+                     "tokens) x 4 B"),
             _prompt_logits(shape.vocab_size, scored_tokens_per_step(step)),
             Overhead("saved KV", saved * (per_token + SAVED_CELL_BYTES),
                      f"{saved} tokens of evicted streams' KV kept "

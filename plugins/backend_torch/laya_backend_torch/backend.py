@@ -44,6 +44,7 @@ class TorchBackend(Backend):
     kv_layout = "paged"
     kv_cache_dtypes = FLOAT_KV_DTYPES  # torch's float32, float16 and bfloat16
     supports_prompt_logprobs = True
+    supports_speculative = True
     supports_embeddings = True
     embeds_in_chunks = True  # embed_step: chunks of inputs, several inputs a pass
     option_names = frozenset(options.OPTIONS)
@@ -254,10 +255,11 @@ class TorchBackend(Backend):
             if item.score_targets:
                 scored.append((i, len(rows)))
                 rows += range(first, first + len(item.score_targets))
-            if item.sample:
+            if item.sample:  # the last row, and the rows of a draft before it
                 sampled.append(i)
                 sample_at.append(len(rows))
-                rows.append(first + len(item.tokens) - 1)
+                rows += range(first + len(item.tokens) - 1 - len(item.draft),
+                              first + len(item.tokens))
             first += len(item.tokens)
         batch = build_batch(((list(it.tokens), it.start_pos, list(it.block_table))
                              for it in items), rows, self._block_size).to(self._device)
@@ -271,14 +273,33 @@ class TorchBackend(Backend):
                 picks = sample_rows(logits[index], [self._samplers[items[i].seq_id]
                                                     for i in sampled],
                                     [items[i].allowed_tokens for i in sampled])
-        out = [StepResult(None, scores.get(i, ())) for i in range(len(items))]
-        for i, pick in zip(sampled, picks, strict=True):
-            if isinstance(pick, str):
-                out[i] = StepResult(None, scores.get(i, ()), pick)
-            else:
-                self._samplers[items[i].seq_id].accept(pick.token_id)
-                out[i] = StepResult(pick, scores.get(i, ()))
+            out = [StepResult(None, scores.get(i, ())) for i in range(len(items))]
+            for i, at, pick in zip(sampled, sample_at, picks, strict=True):
+                if isinstance(pick, str):
+                    out[i] = StepResult(None, scores.get(i, ()), pick)
+                    continue
+                sampler = self._samplers[items[i].seq_id]
+                sampler.accept(pick.token_id)
+                out[i] = StepResult(pick, scores.get(i, ()),
+                                    accepted=self._verify(logits, at, items[i].draft, pick,
+                                                          sampler))
         return out
+
+    def _verify(self, logits: Any, at: int, draft: Sequence[int], pick: Sample,
+                sampler: Any) -> tuple[Sample, ...]:
+        """The samples of a draft's rows (``logits[at + 1 ..]``), row after row while each
+        row's token is the draft's next one; the sequence's sampler counts each."""
+        from laya_backend_torch.sampling import sample_rows
+
+        accepted: list[Sample] = []
+        for j, token in enumerate(draft):
+            if pick.token_id != token:
+                break
+            (sample,) = sample_rows(logits[at + j + 1:at + j + 2], [sampler], [None])
+            assert not isinstance(sample, str)  # (no mask: some token is allowed)
+            sampler.accept(sample.token_id)
+            accepted.append(pick := sample)
+        return tuple(accepted)
 
     def _run(self, batch: Any) -> Any:
         """The forward pass; with ``threads = "auto"`` timed for the thread governor, which

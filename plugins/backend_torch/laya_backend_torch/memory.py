@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from laya_backend_torch.options import INT4_GROUP
 from laya_core.backend import MemoryProfile, ModelConfig, Overhead
 from laya_core.kv.dtypes import kv_bytes_per_token
-from laya_core.memory.ledger import scored_tokens_per_step
+from laya_core.memory.ledger import sampled_rows_per_step, scored_tokens_per_step
 from laya_core.models.files import ModelShape
 
 if TYPE_CHECKING:
@@ -179,7 +179,7 @@ def history_tokens(config: ModelConfig) -> int:
 
 def logits_bytes(config: ModelConfig, vocab_size: int) -> tuple[int, int, int]:
     """A step's logits at their peak: (bytes, sampled rows, scored rows)."""
-    sampled, scored = config.max_num_seqs or 1, scored_tokens_per_step(config.max_step_tokens)
+    sampled, scored = sampled_rows_per_step(config), scored_tokens_per_step(config.max_step_tokens)
     row_bytes = SCORED_ROW_BYTES * scored + SAMPLED_ROW_BYTES * sampled
     return row_bytes * vocab_size, sampled, scored
 

@@ -1,0 +1,107 @@
+"""Speculative decoding by prompt lookup: drafts a decoding sequence's next tokens from its
+own text, for the model to check in one step.
+
+The sequence's last ``n`` tokens (``n`` from ``prompt_lookup_max`` down to
+``prompt_lookup_min``) are looked up among its earlier tokens, prompt and output alike; the
+tokens that followed their latest earlier occurrence are the draft. The backend feeds the
+last token and the draft together and samples row after row with the sequence's own sampler,
+stopping at the first row whose token is not the draft's next one (``StepItem.draft``). A
+draft is one token for certain (its probability is 1), so "sample from the model's
+distribution and keep the draft token when they agree" is exactly rejection sampling: the
+output has the model's distribution, and a seeded request draws one random number per output
+token, as it does without a draft.
+
+Drafting backs off where drafts keep failing: each draft rejected outright doubles the steps
+the sequence decodes without one (up to ``MAX_PAUSE``); an accepted token ends the pause.
+Text with nothing to copy then costs a lookup a token, not a wasted verification a step.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+MAX_PAUSE = 32  # steps without a draft, at most, after drafts failed one after another
+# What a drafter holds per token of its sequence: its reference in the drafter's copy of the
+# tokens, and per n-gram size an index entry (a tuple and a dict slot). Measured with
+# tracemalloc: 391 B a token for sizes 2-4 (peak 442), 916 for sizes 1-8 (8,192 tokens).
+DRAFT_BYTES_PER_TOKEN = 16
+DRAFT_BYTES_PER_NGRAM = 150
+
+
+def drafter_bytes_per_token(config: SpeculativeConfig) -> int:
+    """The memory a drafter takes per token of its sequence, for the memory plan."""
+    sizes = config.prompt_lookup_max - config.prompt_lookup_min + 1
+    return DRAFT_BYTES_PER_TOKEN + DRAFT_BYTES_PER_NGRAM * sizes
+
+
+@attrs.frozen
+class SpeculativeConfig:
+    """The manifest's ``speculative`` table (spec/manifest.md)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+
+@attrs.define
+class SpeculativeStats:
+    """Counts since the replica started, vLLM's spec_decode series under ``laya:``."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+class NgramDrafter:
+    """One sequence's prompt-lookup drafts. It keeps the sequence's tokens (prompt and
+    output) and an index of their n-grams, both grown as the output grows, so a draft costs
+    a few dictionary operations a token, not a scan of the text."""
+
+    def __init__(self, config: SpeculativeConfig, prompt: list[int]) -> None:
+        self.config = config
+        self._tokens = list(prompt)
+        self._num_prompt = len(prompt)
+        # n-gram -> the index just after its latest occurrence that is indexed.
+        self._index: dict[tuple[int, ...], int] = {}
+        self._indexed = 0  # n-grams ending before this index are in _index
+        self._pause = 0  # steps left without a draft
+        self._failures = 0  # drafts rejected outright, one after another
+
+    def draft(self, output: list[int], limit: int) -> list[int]:
+        """Up to ``min(limit, num_speculative_tokens)`` tokens that may follow the prompt and
+        ``output`` (the sequence's output so far; empty: no draft this step)."""
+        tokens = self._tokens
+        tokens += output[len(tokens) - self._num_prompt:]
+        cfg, end = self.config, len(tokens)
+        self._grow(end)
+        if self._pause:
+            self._pause -= 1
+            return []
+        k = min(limit, cfg.num_speculative_tokens)
+        if k <= 0:
+            return []
+        for n in range(min(cfg.prompt_lookup_max, end - 1), cfg.prompt_lookup_min - 1, -1):
+            at = self._index.get(tuple(tokens[end - n:end]))
+            if at is not None:
+                return tokens[at:at + k]
+        return []
+
+    def accepted(self, num_draft: int, num_accepted: int) -> None:
+        """What the model made of the last draft: ``num_accepted`` of its ``num_draft``."""
+        if num_accepted:
+            self._failures = 0
+        elif num_draft:
+            self._failures += 1
+            self._pause = min(MAX_PAUSE, 1 << (self._failures - 1)) if self._failures > 1 else 0
+
+    def _grow(self, end: int) -> None:
+        """Index the n-grams that end before ``end`` and after what is indexed (each has a
+        token after it; the sequence's own last n-gram has none): a later occurrence
+        replaces an earlier one."""
+        tokens, lo, hi = self._tokens, self.config.prompt_lookup_min, self.config.prompt_lookup_max
+        index = self._index
+        for stop in range(max(self._indexed, lo), end):
+            for n in range(lo, min(hi, stop) + 1):
+                index[tuple(tokens[stop - n:stop])] = stop
+        self._indexed = max(self._indexed, end)

@@ -1,0 +1,122 @@
+"""Speculative decoding in the core: the prompt-lookup drafter, and the engine feeding drafts
+and keeping what the model agrees with, on the toy backend (exact: it repeats its prompt, so
+any token kept wrongly, or KV left from a rejected draft, shows in an output)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from toy_backend import shared_prefix_workload, started_engine
+
+from laya_core.config import manifest as mf
+from laya_core.config.table import ManifestError
+from laya_core.engine.speculative import MAX_PAUSE, NgramDrafter, SpeculativeConfig
+from laya_core.types import SamplingParams
+
+
+def test_the_draft_follows_the_latest_earlier_occurrence_of_the_longest_ngram() -> None:
+    prompt = [1, 2, 3, 9, 1, 2, 3, 7, 7, 5, 2, 3]
+    drafter = NgramDrafter(SpeculativeConfig(num_speculative_tokens=3), prompt)
+    # [2, 3] last appeared at 5..6 (followed by 7, 7, 5); [5, 2, 3] never appeared before.
+    assert drafter.draft([], 8) == [7, 7, 5]
+    # The output grows the text: [3, 4] has no earlier occurrence, nor has [4].
+    assert drafter.draft([4], 8) == []
+    # [1, 2, 3] last appeared at 4..6; the 4-gram [4, 1, 2, 3] did not.
+    assert drafter.draft([4, 1, 2, 3], 8) == [7, 7, 5]
+    assert drafter.draft([4, 1, 2, 3], 2) == [7, 7]  # the room left limits it
+
+
+def test_no_draft_without_a_long_enough_match_or_room() -> None:
+    drafter = NgramDrafter(SpeculativeConfig(prompt_lookup_min=3), [1, 2, 5, 1, 2])
+    assert drafter.draft([], 4) == []  # only [1, 2] repeats: shorter than the minimum
+    assert NgramDrafter(SpeculativeConfig(), [1, 2, 5, 1, 2]).draft([], 0) == []
+
+
+def test_drafts_back_off_while_they_fail_and_resume_when_one_is_kept() -> None:
+    drafter = NgramDrafter(SpeculativeConfig(), [1, 2, 3, 1, 2])
+    assert drafter.draft([], 4)
+    drafter.accepted(3, 0)  # one failure: try again at once
+    assert drafter.draft([], 4)
+    paused = []
+    for _ in range(8):  # failures in a row: pauses of 2, 4, 8 ... steps, at most MAX_PAUSE
+        drafter.accepted(3, 0)
+        steps = 0
+        while not drafter.draft([], 4):
+            steps += 1
+        paused.append(steps)
+    assert paused == [min(MAX_PAUSE, 2 ** k) for k in range(1, 9)]
+    drafter.accepted(3, 1)  # kept: no pause after the next failure
+    drafter.accepted(3, 0)
+    assert drafter.draft([], 4)
+
+
+def _outputs(engine, prompts: list[bytes], params: SamplingParams) -> list[str]:
+    async def one(prompt: bytes) -> str:
+        return "".join([e.text async for e in engine.submit(list(prompt), params)])
+
+    async def all_of_them() -> list[str]:
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    return asyncio.run(all_of_them())
+
+
+def test_the_engine_keeps_exactly_what_the_model_says_beside_neighbours() -> None:
+    engine = started_engine(speculative=SpeculativeConfig(), max_num_seqs=4, max_step_tokens=24)
+    shared_prefix_workload(engine)  # exact outputs, under sharing, reuse and eviction
+    stats = engine.speculative
+    # Some drafts were kept and some were not: both ways were taken.
+    assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_drafts_stay_inside_max_tokens_and_the_step_budget() -> None:
+    engine = started_engine(speculative=SpeculativeConfig(num_speculative_tokens=8),
+                            max_num_seqs=3, max_step_tokens=6)
+    prompts = [b"abcabcabcabc", b"xyxyxyxyxy", b"hello hello hello "]
+    try:
+        for n in (1, 2, 5, 11):
+            out = _outputs(engine, prompts, SamplingParams(max_tokens=n))
+            assert out == [bytes(p[i % len(p)] for i in range(len(p), len(p) + n)).decode()
+                           for p in prompts]
+        steps = engine.backend.steps
+        assert all(sum(len(i.tokens) for i in step) <= 6 for step in steps)
+        assert any(item.draft for step in steps for item in step)
+    finally:
+        engine.stop()
+
+
+def test_a_request_may_opt_out() -> None:
+    engine = started_engine(speculative=SpeculativeConfig())
+    try:
+        out = _outputs(engine, [b"abcabcabcabc"], SamplingParams(max_tokens=12,
+                                                                 speculative=False))
+        assert out == ["abcabcabcabc"]
+        assert engine.speculative.num_drafts == 0
+        assert not any(item.draft for step in engine.backend.steps for item in step)
+    finally:
+        engine.stop()
+
+
+def _model(**speculative: object) -> dict[str, object]:
+    return {"models": [{"name": "m", "path": "/x.gguf", "speculative": speculative}]}
+
+
+def test_the_manifest_table() -> None:
+    m = mf.from_dict(_model(num_speculative_tokens=6, prompt_lookup_max=5))
+    assert m.models[0].speculative == SpeculativeConfig("ngram", 6, 2, 5)
+    assert mf.from_dict({"models": [{"name": "m", "path": "/x.gguf"}]}).models[0] \
+        .speculative is None
+
+
+@pytest.mark.parametrize(("table", "key", "says"), [
+    ({"method": "draft"}, "models[0].speculative.method", "not built yet"),
+    ({"method": "eagle"}, "models[0].speculative.method", '"ngram"'),
+    ({"num_speculative_tokens": 0}, "models[0].speculative.num_speculative_tokens", "between"),
+    ({"prompt_lookup_min": 4, "prompt_lookup_max": 3}, "models[0].speculative.prompt_lookup_max",
+     "at least prompt_lookup_min"),
+    ({"lookahead": 3}, "models[0].speculative.lookahead", "unknown key"),
+])
+def test_a_bad_table_names_its_key(table: dict[str, object], key: str, says: str) -> None:
+    with pytest.raises(ManifestError) as e:
+        mf.from_dict(_model(**table))
+    assert key in str(e.value) and says in str(e.value)
