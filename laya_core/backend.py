@@ -16,11 +16,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
-from laya_core.engine.speculative import SpeculativeConfig
 from laya_core.kv.dtypes import FLOAT_KV_DTYPES, KVDtypes
 from laya_core.kv.hashing import BLOCK_SIZE
 from laya_core.models.tokenizer import Tokenizer
-from laya_core.types import Sample, SamplingParams
+from laya_core.types import Sample, SamplingParams, SpeculativeConfig
 
 if TYPE_CHECKING:
     from laya_core.engine.allowed_tokens import AllowedTokens

@@ -59,6 +59,17 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+@attrs.frozen
+class SpeculativeConfig:
+    """A model's ``speculative`` table (spec/manifest.md; laya_core/engine/speculative.py
+    drafts with it)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+
 class FinishReason(enum.Enum):
     """Why a sequence ended; the values are the OpenAI API's."""
 

@@ -36,11 +36,11 @@ from laya_core.config.table import (
     non_empty,
     parse_size,
 )
-from laya_core.engine.speculative import SpeculativeConfig
 from laya_core.replica.worker_link import DEFAULT_SILENCE_S
 from laya_core.routing.router import POLICIES
 from laya_core.structured.reasoning import REASONING_FORMATS
 from laya_core.structured.tool_formats import FORMATS as TOOL_FORMATS
+from laya_core.types import SpeculativeConfig
 
 __all__ = ["AUTO_BACKEND", "CLUSTER_KEYS", "EMBEDDED_MODEL", "ENGINE_KINDS",
            "MEMORY_KEYS", "MODEL_KEYS", "ROUTER_KEYS", "SERVER_KEYS", "TOP_KEYS",

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import attrs
 
+from laya_core.types import SpeculativeConfig
+
 MAX_PAUSE = 32  # steps without a draft, at most, after drafts failed one after another
 # What a drafter holds per token of its sequence: its reference in the drafter's copy of the
 # tokens, and per n-gram size an index entry (a tuple and a dict slot). Measured with
@@ -32,16 +34,6 @@ def drafter_bytes_per_token(config: SpeculativeConfig) -> int:
     """The memory a drafter takes per token of its sequence, for the memory plan."""
     sizes = config.prompt_lookup_max - config.prompt_lookup_min + 1
     return DRAFT_BYTES_PER_TOKEN + DRAFT_BYTES_PER_NGRAM * sizes
-
-
-@attrs.frozen
-class SpeculativeConfig:
-    """The manifest's ``speculative`` table (spec/manifest.md)."""
-
-    method: str = "ngram"
-    num_speculative_tokens: int = 4
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
 
 
 @attrs.define

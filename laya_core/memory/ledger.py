@@ -202,7 +202,7 @@ def sizes_for(config: ModelConfig, n_ctx_train: int) -> ModelConfig:
                              f"({max_seq_len}): one full-length sequence would not fit")
         seqs = config.max_num_seqs or min(256, max(1, pool // max_seq_len))
     else:
-        seqs = config.max_num_seqs or 1  # (a plan's config has it decided)
+        seqs = config.max_num_seqs or DEFAULT_MAX_NUM_SEQS
         pool = max_seq_len * seqs
     step = max(config.max_step_tokens, seqs)
     return attrs.evolve(config, max_seq_len=max_seq_len, max_num_seqs=seqs, kv_cache_tokens=pool,
