@@ -11,9 +11,13 @@ distribution and keep the draft token when they agree" is exactly rejection samp
 output has the model's distribution, and a seeded request draws one random number per output
 token, as it does without a draft.
 
-Drafting backs off where drafts keep failing: each draft rejected outright doubles the steps
-the sequence decodes without one (up to ``MAX_PAUSE``); an accepted token ends the pause.
-Text with nothing to copy then costs a lookup a token, not a wasted verification a step.
+Drafting backs off where drafts keep failing. A draft is as long as the last one that was
+kept whole, doubled (up to ``num_speculative_tokens``), or one token longer than what was
+kept of the last one; and each draft rejected outright doubles the steps the sequence then
+decodes without one (up to ``MAX_PAUSE``), until a token is kept again. Text with nothing to
+copy then costs a lookup a token and now and then a one-token check, not a long wasted
+verification a step: each drafted row costs a backend's row of compute (on llama.cpp almost
+a whole decode's, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class NgramDrafter:
         self._indexed = 0  # n-grams ending before this index are in _index
         self._pause = 0  # steps left without a draft
         self._failures = 0  # drafts rejected outright, one after another
+        self._length = config.num_speculative_tokens  # the next draft's length, at most
 
     def draft(self, output: list[int], limit: int) -> list[int]:
         """Up to ``min(limit, num_speculative_tokens)`` tokens that may follow the prompt and
@@ -70,7 +75,7 @@ class NgramDrafter:
         if self._pause:
             self._pause -= 1
             return []
-        k = min(limit, cfg.num_speculative_tokens)
+        k = min(limit, self._length)
         if k <= 0:
             return []
         for n in range(min(cfg.prompt_lookup_max, end - 1), cfg.prompt_lookup_min - 1, -1):
@@ -81,6 +86,10 @@ class NgramDrafter:
 
     def accepted(self, num_draft: int, num_accepted: int) -> None:
         """What the model made of the last draft: ``num_accepted`` of its ``num_draft``."""
+        if num_draft and num_accepted == num_draft:
+            self._length = min(self.config.num_speculative_tokens, 2 * num_draft)
+        elif num_draft:
+            self._length = num_accepted + 1
         if num_accepted:
             self._failures = 0
         elif num_draft:

@@ -179,3 +179,63 @@ def test_a_copy_keeps_most_drafts(pair: Pair) -> None:
     run(pair.spec, GREEDY[:1], PROMPTS[2:3])
     assert stats.num_draft_tokens > drafted
     assert (stats.num_accepted_tokens - kept) / (stats.num_draft_tokens - drafted) > 0.5
+
+
+SERVED = """
+[server]
+host = "127.0.0.1"
+port = {port}
+
+[[models]]
+name = "smollm2"
+path = "embedded:smollm2-135m-instruct"
+max_seq_len = 1024
+max_num_seqs = 2
+speculative = { method = "ngram", num_speculative_tokens = 4 }
+
+[models.options]
+n_threads = 1
+"""
+
+
+def _final_timing(url: str, body: dict[str, object]) -> dict[str, float]:
+    import json
+
+    import httpx
+
+    timing: dict[str, float] = {}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=120,
+                      json={"model": "smollm2", "stream": True, "max_tokens": 64,
+                            "temperature": 0, **body}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                timing = json.loads(line[6:]).get("laya_timing", timing)
+    return timing
+
+
+def test_served_drafts_show_in_the_timing_metrics_and_live_page(tmp_path) -> None:
+    import httpx
+    from conftest import serving
+
+    copy = {"messages": [{"role": "user", "content": "Repeat this list exactly: " +
+                          ", ".join(f"item {i}" for i in range(40))}]}
+    with serving(SERVED, tmp_path) as server:
+        timing = _final_timing(server.url, copy)
+        assert 0 < timing["spec_accepted_tokens"] <= timing["spec_draft_tokens"]
+        # A request that opts out has no drafts, and says none.
+        assert "spec_draft_tokens" not in _final_timing(server.url,
+                                                        {**copy, "speculative": False})
+        # The replica's counters: the first request's drafts, none of the second's.
+        metrics = httpx.get(f"{server.url}/metrics").text
+        drafted = [line for line in metrics.splitlines()
+                   if line.startswith("laya:spec_decode_num_draft_tokens_total{")]
+        assert drafted and float(drafted[0].split()[-1]) == timing["spec_draft_tokens"]
+        (replica,) = httpx.get(f"{server.url}/live").json()["models"][0]["replicas"]
+        assert replica["speculative"] == {"drafts": replica["speculative"]["drafts"],
+                                          "draft_tokens": timing["spec_draft_tokens"],
+                                          "accepted_tokens": timing["spec_accepted_tokens"]}
+        # A wrong type is refused naming the field.
+        bad = httpx.post(f"{server.url}/v1/chat/completions",
+                         json={**copy, "model": "smollm2", "speculative": "no"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "speculative"

@@ -120,3 +120,15 @@ def test_a_bad_table_names_its_key(table: dict[str, object], key: str, says: str
     with pytest.raises(ManifestError) as e:
         mf.from_dict(_model(**table))
     assert key in str(e.value) and says in str(e.value)
+
+
+def test_a_draft_grows_while_kept_whole_and_shrinks_to_what_was_kept() -> None:
+    text = list(range(50)) * 2  # the second half repeats the first: everything copies
+    drafter = NgramDrafter(SpeculativeConfig(num_speculative_tokens=8), text[:60])
+    assert len(drafter.draft([], 100)) == 8
+    drafter.accepted(8, 3)  # three kept: the next draft is one longer than that
+    assert len(drafter.draft([], 100)) == 4
+    drafter.accepted(4, 4)  # kept whole: twice as long, up to num_speculative_tokens
+    assert len(drafter.draft([], 100)) == 8
+    drafter.accepted(8, 0)  # none kept: one token, at once
+    assert len(drafter.draft([], 100)) == 1
