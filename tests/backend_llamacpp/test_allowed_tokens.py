@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from backend_steps import llamacpp_backend
 
-from laya_core.backend import ModelConfig, StepItem
-from laya_core.builtin.model_paths import embedded_file
+from laya_core.backend import StepItem
 from laya_core.engine.allowed_tokens import NO_TOKEN_ALLOWED, AllowedTokens
 from laya_core.types import Sample, SamplingParams
 
@@ -22,16 +22,8 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def backend() -> Iterator[object]:
-    from laya_backend_llamacpp.backend import LlamaCppBackend
-
-    config = ModelConfig(name="m", backend="llamacpp",
-                         path=embedded_file("smollm2-135m-instruct"), max_seq_len=512,
-                         max_num_seqs=4, options={"n_threads": 1})
-    b = LlamaCppBackend(config)
-    b.load_weights()
-    b.allocate_cache(n_ctx=2048, max_num_seqs=4)
-    yield b
-    b.close()
+    with llamacpp_backend(n_threads=1) as b:
+        yield b
 
 
 @pytest.fixture(scope="module")

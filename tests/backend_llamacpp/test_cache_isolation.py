@@ -15,10 +15,8 @@ same cells, applied at once, and a sequence's sums depend on the other sequences
 from __future__ import annotations
 
 import pytest
-from backend_steps import generate
+from backend_steps import generate, llamacpp_backend
 
-from laya_core.backend import ModelConfig
-from laya_core.builtin.model_paths import embedded_file
 from laya_core.types import SamplingParams
 
 pytestmark = pytest.mark.model
@@ -31,17 +29,8 @@ SYSTEM = ("You are a careful assistant who keeps every user's secrets to themsel
 
 @pytest.fixture(scope="module")
 def backend():
-    from laya_backend_llamacpp.backend import LlamaCppBackend
-
-    config = ModelConfig(name="m", backend="llamacpp",
-                         path=embedded_file("smollm2-135m-instruct"), max_seq_len=512,
-                         max_num_seqs=4, options={"kv_unified": False,
-                                                  "n_threads": 1, "flash_attn": False})
-    b = LlamaCppBackend(config)
-    b.load_weights()
-    b.allocate_cache(n_ctx=2048, max_num_seqs=4)
-    yield b
-    b.close()
+    with llamacpp_backend(kv_unified=False, n_threads=1, flash_attn=False) as b:
+        yield b
 
 
 def prompts(b) -> tuple[list[int], list[int]]:

@@ -6,10 +6,9 @@ had never been fed."""
 from __future__ import annotations
 
 import pytest
-from backend_steps import generate
+from backend_steps import generate, llamacpp_backend
 
-from laya_core.backend import ModelConfig, StepItem
-from laya_core.builtin.model_paths import embedded_file
+from laya_core.backend import StepItem
 from laya_core.types import SamplingParams
 
 pytestmark = pytest.mark.model
@@ -20,17 +19,8 @@ WRONG = 2001  # a token the model does not say next here
 
 @pytest.fixture(scope="module")
 def backend():
-    from laya_backend_llamacpp.backend import LlamaCppBackend
-
-    config = ModelConfig(name="m", backend="llamacpp",
-                         path=embedded_file("smollm2-135m-instruct"), max_seq_len=512,
-                         max_num_seqs=4, options={"kv_unified": False, "n_threads": 1,
-                                                  "flash_attn": False})
-    b = LlamaCppBackend(config)
-    b.load_weights()
-    b.allocate_cache(n_ctx=2048, max_num_seqs=4)
-    yield b
-    b.close()
+    with llamacpp_backend(kv_unified=False, n_threads=1, flash_attn=False) as b:
+        yield b
 
 
 @pytest.fixture(scope="module")

@@ -181,21 +181,12 @@ def test_a_copy_keeps_most_drafts(pair: Pair) -> None:
     assert (stats.num_accepted_tokens - kept) / (stats.num_draft_tokens - drafted) > 0.5
 
 
-SERVED = """
-[server]
-host = "127.0.0.1"
-port = {port}
+def served_manifest() -> str:
+    from conftest import SMOLLM_MANIFEST
 
-[[models]]
-name = "smollm2"
-path = "embedded:smollm2-135m-instruct"
-max_seq_len = 1024
-max_num_seqs = 2
-speculative = { method = "ngram", num_speculative_tokens = 4 }
-
-[models.options]
-n_threads = 1
-"""
+    return SMOLLM_MANIFEST.replace("max_num_seqs = 8\nembeddings = true", (
+        'max_num_seqs = 2\nspeculative = { method = "ngram", num_speculative_tokens = 4 }\n\n'
+        "[models.options]\nn_threads = 1"))
 
 
 def _final_timing(url: str, body: dict[str, object]) -> dict[str, float]:
@@ -220,7 +211,7 @@ def test_served_drafts_show_in_the_timing_metrics_and_live_page(tmp_path) -> Non
 
     copy = {"messages": [{"role": "user", "content": "Repeat this list exactly: " +
                           ", ".join(f"item {i}" for i in range(40))}]}
-    with serving(SERVED, tmp_path) as server:
+    with serving(served_manifest(), tmp_path) as server:
         timing = _final_timing(server.url, copy)
         assert 0 < timing["spec_accepted_tokens"] <= timing["spec_draft_tokens"]
         # A request that opts out has no drafts, and says none.
