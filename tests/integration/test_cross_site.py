@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 from conftest import ServerProcess
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from playwright.sync_api import sync_playwright
 
 EVIL = {"Origin": "http://evil"}
@@ -153,13 +154,21 @@ def test_the_page_runs_under_its_policy_in_a_browser(server: ServerProcess) -> N
             page.on("console", lambda m: messages.append(m.text))
             page.on("pageerror", lambda e: messages.append(str(e)))
             page.goto(server.url + "/")
-            page.wait_for_selector(".replica[data-model=smollm2] .bar .weights")
-            width = page.eval_on_selector(".replica[data-model=smollm2] .bar .weights",
-                                          "el => el.getBoundingClientRect().width")
-            left = page.eval_on_selector(".replica[data-model=smollm2] .bar .rss",
-                                         "el => el.style.left")
+            # Each poll redraws the page, so the bar is read in one evaluation, and waited for
+            # until drawn with its width (once in CI a read between two redraws saw 0 px).
+            # Were the policy to refuse the widths, the wait would end in a timeout.
+            bar = ".replica[data-model=smollm2] .bar"
+            try:
+                page.wait_for_function(f"""() => {{
+                    const w = document.querySelector("{bar} .weights");
+                    const rss = document.querySelector("{bar} .rss");
+                    return w && rss && w.getBoundingClientRect().width > 0
+                        && rss.style.left.endsWith("%");
+                }}""", timeout=30_000)
+            except PlaywrightTimeout:
+                pytest.fail("the ledger bar never got its widths: "
+                            + str(page.eval_on_selector(bar, "el => el.outerHTML")))
         finally:
             browser.close()
-    assert width > 0 and left.endswith("%")
     assert not [m for m in messages if "Content Security Policy" in m], messages
     assert not messages, messages
