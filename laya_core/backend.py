@@ -66,6 +66,9 @@ class ModelConfig:
     max_reasoning_tokens: int | None = None
     # Speculative decoding (laya_core/engine/speculative.py); None: off.
     speculative: SpeculativeConfig | None = None
+    # LoRA adapters served beside the base model: name -> PEFT folder
+    # (laya_core/models/lora.py). A request names one as its ``model``.
+    lora: dict[str, str] = attrs.field(factory=dict)
 
     @property
     def on_demand(self) -> bool:
@@ -207,6 +210,10 @@ class Backend(abc.ABC):
     supports_prompt_logprobs: ClassVar[bool] = False
     # Whether step() verifies drafts (``StepItem.draft``): speculative decoding.
     supports_speculative: ClassVar[bool] = False
+    # Whether the backend applies LoRA adapters (``ModelConfig.lora``) per sequence
+    # (``SamplingParams.lora``): it loads each one with its weights and counts it in
+    # ``memory_profile``.
+    supports_lora: ClassVar[bool] = False
     # Whether the replica compiles structured output's constraints (response_format, tools,
     # guided decoding) with laya_core.structured: a step-level backend does (the core masks
     # its sampling), and the memory plan counts the grammars' memory; an engine-level

@@ -53,6 +53,9 @@ class SamplingParams:
     # Whether the deployment's speculative decoding may draft for this request (where the
     # model has it on): a request may opt out.
     speculative: bool = True
+    # The LoRA adapter this sequence runs with (a name of ``ModelConfig.lora``); None: the
+    # base model. Its KV is cached apart from the base's and other adapters'.
+    lora: str | None = None
 
     @property
     def greedy(self) -> bool:

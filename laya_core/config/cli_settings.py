@@ -60,6 +60,17 @@ def _string_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def _lora_pairs(text: str) -> list[tuple[str, str]]:
+    """``NAME=PATH`` pairs, comma-separated; each path made absolute."""
+    pairs = []
+    for part in _string_list(text):
+        name, eq, path = part.partition("=")
+        if not eq or not name.strip() or not path.strip():
+            raise ValueError(f"{part!r}: give NAME=PATH, the adapter's name and its folder")
+        pairs.append((name.strip(), str(Path(path.strip()).expanduser().absolute())))
+    return pairs
+
+
 @attrs.frozen
 class Setting:
     """A manifest key that a flag and an environment variable can set."""
@@ -73,6 +84,8 @@ class Setting:
     parse: Callable[[str], Any] = str
     help: str = ""
     many: bool = False  # the flag may repeat; its values make one list
+    # What the list of a repeated flag's values becomes in the manifest (None: the list).
+    combine: Callable[[list[Any]], Any] | None = None
     group: str = "model"
     metavar: str = "N"
 
@@ -128,6 +141,10 @@ SETTINGS = (
             help="serve every GGUF file and model folder in DIR, each loaded on demand and "
             "named after its file, and those copied in later; the model flags apply to each",
             group="model"),
+    Setting(("--lora",), "LAYA_LORA", "model", "lora", _lora_pairs, metavar="NAME=PATH",
+            help="serve a LoRA adapter (a PEFT folder) as model NAME beside the model; "
+            "repeat for more (the variable: comma-separated). The torch backend applies them",
+            many=True, combine=dict),
     Setting(("--memory-budget",), "LAYA_MEMORY_BUDGET", "memory", "budget", metavar="SIZE",
             help="memory the deployment may use: 'auto' or a size such as 12GiB",
             group="memory"),
@@ -151,6 +168,8 @@ def _env_overrides(setting: Setting, problems: Problems) -> list[Override]:
     except ValueError as e:
         problems.add(setting.env, str(e))
         return []
+    if setting.combine is not None:
+        value = setting.combine(value)
     return [Override(setting.key_path(), value, setting.env)]
 
 
@@ -163,6 +182,8 @@ def overrides(args: argparse.Namespace, problems: Problems) -> list[Override]:
         else:
             if s.many:
                 value = [v for part in value for v in part]
+                if s.combine is not None:
+                    value = s.combine(value)
             out.append(Override(s.key_path(), value, s.flags[0]))
     return out
 

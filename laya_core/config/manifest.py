@@ -145,7 +145,7 @@ MODEL_KEYS = ("name", "backend", "path", "max_seq_len", "max_num_seqs", "kv_cach
               "kv_cache_dtype", "prefix_caching", "routing", "replicas", "max_step_tokens",
               "max_queue", "queue_timeout_s", "scheduler", "cache_policy", "embeddings",
               "tool_call_format", "reasoning_format", "max_reasoning_tokens", "load",
-              "idle_unload_s", "speculative", "options")
+              "idle_unload_s", "speculative", "lora", "options")
 SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min",
                     "prompt_lookup_max")
 # Speculative decoding's methods (laya_core/engine/speculative.py).
@@ -174,6 +174,23 @@ def _speculative(data: Any, where: str, problems: Problems) -> SpeculativeConfig
         t.problem("prompt_lookup_max", f"must be at least prompt_lookup_min ({low}), got {high}")
     t.finish(SPECULATIVE_KEYS)
     return SpeculativeConfig(method, k, low, high)  # (a problem recorded fails the manifest)
+
+
+def _lora(data: dict[str, Any], where: str, base_dir: Path,
+          problems: Problems) -> dict[str, str]:
+    """A model's ``lora`` table: adapter name -> PEFT folder (relative to the manifest).
+    The folders are checked against the model in resolve()."""
+    out = {}
+    for name, path in data.items():
+        key = f"{where}.{name}"
+        if (problem := _name_problem(name)) is not None:
+            problems.add(key, f"an adapter's name is what requests send as 'model': {problem}")
+        elif not isinstance(path, str) or not path:
+            problems.add(key, f"must be the path of a PEFT LoRA folder, got {path!r}")
+        else:
+            p = Path(path).expanduser()
+            out[name] = str(p if p.is_absolute() else base_dir / p)
+    return out
 
 
 def _model(data: Any, index: int, base_dir: Path, problems: Problems) -> ModelConfig | None:
@@ -230,6 +247,7 @@ def _model(data: Any, index: int, base_dir: Path, problems: Problems) -> ModelCo
     raw_speculative = t.get("speculative", dict, None)
     speculative = None if raw_speculative is None else \
         _speculative(raw_speculative, t.key("speculative"), problems)
+    lora = _lora(t.get("lora", dict, {}), t.key("lora"), base_dir, problems)
     t.finish(MODEL_KEYS)
     if name is None or path is None:
         return None
@@ -239,7 +257,8 @@ def _model(data: Any, index: int, base_dir: Path, problems: Problems) -> ModelCo
                        float(queue_timeout_s), options, embeddings, tool_call_format,
                        load or "always",
                        None if idle_unload_s is None else float(idle_unload_s),
-                       reasoning_format or "auto", max_reasoning_tokens, speculative)
+                       reasoning_format or "auto", max_reasoning_tokens, speculative,
+                       lora)
 
 
 def _from_dict(data: Mapping[str, Any], source: str, base_dir: Path,
@@ -290,8 +309,25 @@ def _from_dict(data: Mapping[str, Any], source: str, base_dir: Path,
             continue
         seen[m.name] = i
         models.append(m)
+    _check_adapter_names(models, seen, problems)
     return Manifest(server, memory, router, tuple(models), source, seen, cluster, models_dir,
                     frozenset(from_dir))
+
+
+def _check_adapter_names(models: list[ModelConfig], seen: dict[str, int],
+                         problems: Problems) -> None:
+    """A request's ``model`` names one model or one adapter: no adapter takes a model's name
+    or another adapter's."""
+    owner: dict[str, str] = {}
+    for m in models:
+        for name in m.lora:
+            key = f"models[{seen[m.name]}].lora.{name}"
+            if name in seen:
+                problems.add(key, f"{name!r} is the name of models[{seen[name]}]; requests "
+                             "could not tell the adapter from the model")
+            elif name in owner:
+                problems.add(key, f"{name!r} is already an adapter of {owner[name]!r}")
+            owner.setdefault(name, m.name)
 
 
 def from_dict(data: Mapping[str, Any], source: str = "<dict>",

@@ -14,6 +14,7 @@ import attrs
 from laya_core.backend import ModelConfig
 from laya_core.config.table import ManifestError, Problems
 from laya_core.kv.dtypes import kv_dtype_problems
+from laya_core.models.checks import ModelFileError
 from laya_core.models.files import model_file_problem
 
 AUTO_BACKEND = "auto"  # a model's backend when the manifest names none: see default_backend
@@ -108,6 +109,10 @@ def resolve_model(m: ModelConfig, i: int, registry: Any, need_backends: bool,
         problems.add(f"models[{i}].speculative",
                      f"the {m.backend} backend does not verify drafts (speculative "
                      "decoding); remove the key")
+    if backend and m.lora and not backend.obj.supports_lora:
+        problems.add(f"models[{i}].lora", f"the {m.backend} backend does not apply LoRA "
+                     "adapters; remove the key, or serve the model with a backend that "
+                     "does (torch)")
     if backend and need_backends:
         _check_options(backend.obj, m, i, problems)
         _check_layout(backend.obj, m, i, registry, problems)
@@ -119,7 +124,25 @@ def resolve_model(m: ModelConfig, i: int, registry: Any, need_backends: bool,
         raise ManifestError(f"models[{i}].path", problem)
     if backend and need_backends and (problem := backend.obj.check_model_path(path)):
         raise ManifestError(f"models[{i}].path", problem)
+    if m.lora and backend and backend.obj.supports_lora:
+        _check_adapters(backend.obj, m, path, i, problems)
     return attrs.evolve(m, path=path)
+
+
+def _check_adapters(backend_cls: Any, m: ModelConfig, path: str, i: int,
+                    problems: Problems) -> None:
+    """Each LoRA folder reads as an adapter of this model's shape."""
+    from laya_core.models.lora import AdapterError, read_adapter
+
+    try:
+        shape = backend_cls.model_shape(path)
+    except (ModelFileError, OSError, ValueError):
+        shape = None  # the path's own problem is said where the plan reads it
+    for name, folder in m.lora.items():
+        try:
+            read_adapter(folder, shape)
+        except AdapterError as e:
+            problems.add(f"models[{i}].lora.{name}", str(e))
 
 
 def _check_options(backend_cls: Any, m: ModelConfig, i: int, problems: Problems) -> None:

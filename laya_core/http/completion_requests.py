@@ -63,6 +63,9 @@ class GenerationRequest:
     constraint: ConstraintSpec | None = None
     # False: no speculative decoding for this request, where the model has it on.
     speculative: bool = True
+    # The LoRA adapter the request named as its model (generation.start sets it, and
+    # ``model`` to the adapter's base model); None: the model itself.
+    lora: str | None = None
 
 
 @attrs.frozen

@@ -16,7 +16,7 @@ from laya_core.http.completion_requests import ChatRequest, CompletionRequest, G
 from laya_core.http.errors import QUEUE_RETRY_AFTER_S, APIError, invalid, refusal
 from laya_core.http.replicas import ready_client, route
 from laya_core.http.thinking import Thinking, thinking_of
-from laya_core.kv.hashing import prefix_hashes
+from laya_core.kv.hashing import cache_salt, prefix_hashes
 from laya_core.replica.client import EngineClient, RequestTooLongError
 from laya_core.serving.deployment import Deployment
 from laya_core.serving.template_sandbox import TemplateUnavailableError
@@ -78,7 +78,7 @@ def _params(req: GenerationRequest, max_tokens: int, choice: int,
         ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
         logprobs=req.logprobs, prompt_logprobs=prompt_logprobs, priority=req.priority or 0,
-        speculative=req.speculative)
+        speculative=req.speculative, lora=req.lora)
 
 
 def prompt_top(request: ChatRequest | CompletionRequest) -> int | None:
@@ -143,7 +143,8 @@ async def _submit(deployment: Deployment, req: GenerationRequest, prompt: list[i
                   discard_output: bool = False) -> Running:
     t0 = time.perf_counter()
     # Hashing the prompt's leading blocks is routing work, so it counts in the route time.
-    prefix = prefix_hashes(prompt, deployment.block_sizes[req.model]) \
+    prefix = prefix_hashes(prompt, deployment.block_sizes[req.model],
+                           salt=cache_salt(req.lora)) \
         if deployment.models[req.model].routing == "prefix" else ()
     replica, route_s = route(deployment, req.model, session, prefix, t0)
     client = deployment.clients[replica]
@@ -183,6 +184,10 @@ async def start(deployment: Deployment, request: ChatRequest | CompletionRequest
     request can still get a proper status. On any error nothing is left running. ``session``
     (the X-Session-ID header) defaults to the request's ``user``.
     """
+    if (base := deployment.adapters.get(request.common.model)) is not None:
+        # A LoRA adapter's name: its base model runs the request, with the adapter.
+        request = attrs.evolve(request, common=attrs.evolve(
+            request.common, model=base, lora=request.common.model))
     async with ready_client(deployment, request.common.model) as (client, load_s):
         return await _start(deployment, request, session or request.common.user, client,
                             load_s)

@@ -40,12 +40,23 @@ def model_routes(deployment: Deployment) -> list[Route]:
             return {**card, "status": status}
         return {**card, **resident}
 
+    def adapter_card(name: str) -> dict[str, Any]:
+        """A LoRA adapter, as vLLM lists one: its folder as ``root``, its model as ``parent``
+        (whose status it shares)."""
+        parent = deployment.adapters[name]
+        card = model_card(parent)
+        return {**card, "id": name, "root": deployment.models[parent].lora[name],
+                "parent": parent, "replicas": card["replicas"], "planned_bytes": None}
+
     async def list_models(request: Request) -> Response:
         return JSONResponse({"object": "list",
-                             "data": [model_card(n) for n in deployment.models]})
+                             "data": [*(model_card(n) for n in deployment.models),
+                                      *(adapter_card(n) for n in deployment.adapters)]})
 
     async def get_model(request: Request) -> Response:
         name = request.path_params["model"]
+        if name in deployment.adapters:
+            return JSONResponse(adapter_card(name))
         if name not in deployment.models:
             raise APIError(404, f"the model {name!r} does not exist; see GET /v1/models",
                            param="model", code="model_not_found")

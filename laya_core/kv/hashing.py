@@ -16,8 +16,19 @@ from collections.abc import Sequence
 BLOCK_SIZE = 16  # tokens per KV block, and per hashed prompt block
 
 
+def cache_salt(lora: str | None) -> int | None:
+    """Where a sequence's hash chain starts: None for the base model; for a LoRA adapter, a
+    digest of its name, so that no block's KV is shared between the base model and an
+    adapter or between two adapters (the same tokens give other K and V through each)."""
+    if lora is None:
+        return None
+    digest = hashlib.blake2b(b"lora\0" + lora.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
 def prefix_hashes(
-    token_ids: Sequence[int], block_size: int = BLOCK_SIZE, max_blocks: int | None = 32
+    token_ids: Sequence[int], block_size: int = BLOCK_SIZE, max_blocks: int | None = 32,
+    salt: int | None = None,
 ) -> tuple[int, ...]:
     """Cumulative hashes of the leading full blocks of a tokenized prompt, for ``route(prefix=)``.
 
@@ -26,7 +37,7 @@ def prefix_hashes(
     same in every process and on every platform (unlike ``hash()`` of a str). A partial last
     block is left out, as the KV cache only reuses full blocks. ``max_blocks`` (32 x 16 = 512
     tokens by default) is enough to tell conversations apart; each hash costs the router a table
-    update per request. About 0.8 µs per block.
+    update per request. About 0.8 µs per block. ``salt``: :func:`cache_salt`'s.
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -35,7 +46,7 @@ def prefix_hashes(
         num_blocks = min(num_blocks, max_blocks)
     num_bytes = 4 * block_size  # tokens are packed as little-endian uint32
     data = _pack(token_ids[: num_blocks * block_size])
-    digest, hashes = b"", []
+    digest, hashes = b"" if salt is None else salt.to_bytes(8, "little"), []
     for start in range(0, len(data), num_bytes):
         # Chaining the previous digest makes hash i depend on every block before it.
         digest = hashlib.blake2b(digest + data[start : start + num_bytes], digest_size=8).digest()

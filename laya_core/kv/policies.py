@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import attrs
 
-from laya_core.kv.hashing import BLOCK_SIZE
+from laya_core.kv.hashing import BLOCK_SIZE, cache_salt
 from laya_core.kv.pool import KVManager
 
 if TYPE_CHECKING:
@@ -180,11 +180,12 @@ class PagedKVCache(KVCache):
     def can_admit(self, seq: Request) -> bool:
         return self._num_running < self.max_num_seqs and self.blocks.can_allocate(
             seq.prompt_token_ids, seq.max_total_tokens,
-            max_reuse_tokens(seq, self.prefix_caching))
+            max_reuse_tokens(seq, self.prefix_caching), cache_salt(seq.params.lora))
 
     def admit(self, seq: Request) -> None:
         hit = self.blocks.allocate(seq.seq_id, seq.prompt_token_ids, seq.max_total_tokens,
-                                   max_reuse_tokens(seq, self.prefix_caching))
+                                   max_reuse_tokens(seq, self.prefix_caching),
+                                   cache_salt(seq.params.lora))
         seq.num_computed = seq.num_cached_tokens = hit
         self._num_running += 1
         self._ops.append(StartSequence(seq.seq_id, seq.params))

@@ -41,6 +41,7 @@ class KVManager:
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._tables: dict[int, list[int]] = {}  # sequence id -> block table
         self._hashes: dict[int, list[int]] = {}  # sequence id -> hashes of its leading blocks
+        self._salts: dict[int, int] = {}  # sequence id -> where its hash chain starts
 
     # -- counts -------------------------------------------------------------------------
 
@@ -71,11 +72,13 @@ class KVManager:
 
     # -- the prefix index ---------------------------------------------------------------
 
-    def cached_blocks(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+    def cached_blocks(self, token_ids: Sequence[int], max_tokens: int,
+                      salt: int | None = None) -> list[int]:
         """The cached blocks holding the longest known beginning of ``token_ids``, at most
-        ``max_tokens`` tokens of it (whole blocks only)."""
+        ``max_tokens`` tokens of it (whole blocks only); ``salt``: where the hash chain
+        starts (hashing.cache_salt: a LoRA adapter's blocks are apart)."""
         found: list[int] = []
-        digest: int | None = None
+        digest: int | None = salt
         bs = self.block_size
         for start in range(0, min(max_tokens, len(token_ids)) - bs + 1, bs):
             digest = next_block_hash(digest, token_ids[start:start + bs])
@@ -92,24 +95,25 @@ class KVManager:
     # -- sequences ----------------------------------------------------------------------
 
     def can_allocate(self, token_ids: Sequence[int], num_tokens: int,
-                     max_reuse_tokens: int = 0) -> bool:
+                     max_reuse_tokens: int = 0, salt: int | None = None) -> bool:
         """Whether a new sequence of ``num_tokens`` tokens fits now, reusing what is cached of
         the first ``max_reuse_tokens`` of ``token_ids``."""
-        hits = self.cached_blocks(token_ids, max_reuse_tokens)
+        hits = self.cached_blocks(token_ids, max_reuse_tokens, salt)
         num_evictable_hits = sum(1 for b in hits if self._ref[b] == 0)
         needed = self.blocks_for(num_tokens) - len(hits)
         return needed <= self.num_free_blocks - num_evictable_hits
 
     def allocate(self, seq_id: int, token_ids: Sequence[int], num_tokens: int,
-                 max_reuse_tokens: int = 0) -> int:
+                 max_reuse_tokens: int = 0, salt: int | None = None) -> int:
         """Give ``seq_id`` a block table for ``num_tokens`` tokens; returns how many leading
-        tokens of ``token_ids`` it found cached (their KV is in its first blocks)."""
+        tokens of ``token_ids`` it found cached (their KV is in its first blocks). ``salt``
+        starts its hash chain (``cached_blocks``)."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id} already holds blocks")
-        if not self.can_allocate(token_ids, num_tokens, max_reuse_tokens):
+        if not self.can_allocate(token_ids, num_tokens, max_reuse_tokens, salt):
             raise MemoryError(f"sequence {seq_id} needs {self.blocks_for(num_tokens)} blocks, "
                               f"{self.num_free_blocks} free")
-        hits = self.cached_blocks(token_ids, max_reuse_tokens)
+        hits = self.cached_blocks(token_ids, max_reuse_tokens, salt)
         for block in hits:
             if self._ref[block] == 0:
                 del self._evictable[block]
@@ -117,6 +121,8 @@ class KVManager:
         table = hits + [self._take() for _ in range(self.blocks_for(num_tokens) - len(hits))]
         self._tables[seq_id] = table
         self._hashes[seq_id] = [self._hash[b] for b in hits]  # type: ignore[misc]
+        if salt is not None:
+            self._salts[seq_id] = salt
         return len(hits) * self.block_size
 
     def num_indexed_blocks(self, seq_id: int) -> int:
@@ -134,7 +140,7 @@ class KVManager:
         """
         hashes, table, bs = self._hashes[seq_id], self._tables[seq_id], self.block_size
         for i in range(len(hashes), len(computed_token_ids) // bs):
-            digest = next_block_hash(hashes[-1] if hashes else None,
+            digest = next_block_hash(hashes[-1] if hashes else self._salts.get(seq_id),
                                      computed_token_ids[i * bs:(i + 1) * bs])
             hashes.append(digest)
             if digest not in self._index:
@@ -148,6 +154,7 @@ class KVManager:
         first ones, which more prompts share. Freeing an unknown sequence does nothing.
         """
         self._hashes.pop(seq_id, None)
+        self._salts.pop(seq_id, None)
         for block in reversed(self._tables.pop(seq_id, [])):
             self._ref[block] -= 1
             if self._ref[block] > 0:

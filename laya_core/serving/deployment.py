@@ -105,6 +105,9 @@ class Deployment:
         self._started: dict[int, float] = {}  # replica -> when its client was started
         self._stopped = False
         self.models: dict[str, ModelConfig] = {}
+        # LoRA adapters' names -> the model each adapts (ModelConfig.lora): a request naming
+        # an adapter runs on its model, with it.
+        self.adapters: dict[str, str] = {}
         # Tokens per KV block of each model's backend (Backend.block_size), known before
         # any replica loads: the router's prefix hashes and /live's blocks count in them.
         self.block_sizes: dict[str, int] = {}
@@ -149,6 +152,7 @@ class Deployment:
             self.residency.add(Resident(
                 config.name, self.plan.model_bytes(config.name) if self.plan else 0,
                 config.queue_timeout_s, config.idle_unload_s, config.max_queue))
+        self.adapters = {**self.adapters, **{name: config.name for name in config.lora}}
         self.models = {**self.models, config.name: config}
 
     def add_model(self, config: ModelConfig, plan: Plan | None) -> None:

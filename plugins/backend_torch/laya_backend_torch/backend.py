@@ -45,6 +45,7 @@ class TorchBackend(Backend):
     kv_cache_dtypes = FLOAT_KV_DTYPES  # torch's float32, float16 and bfloat16
     supports_prompt_logprobs = True
     supports_speculative = True
+    supports_lora = True  # per row: one step mixes adapters (lora.py)
     supports_embeddings = True
     embeds_in_chunks = True  # embed_step: chunks of inputs, several inputs a pass
     option_names = frozenset(options.OPTIONS)
@@ -114,6 +115,7 @@ class TorchBackend(Backend):
         if chosen.compile:
             self._forward = torch.compile(self._model.forward, dynamic=True)
         self._samplers: dict[int, Any] = {}
+        self._load_adapters(cfg)
         self.pooling = read_shape(self.config.path).pooling or DEFAULT_POOLING
         self._runtime = {
             "device": chosen.device, "dtype": chosen.dtype, "dtype_reason": chosen.reason,
@@ -128,6 +130,8 @@ class TorchBackend(Backend):
             "embedding_pooling": self.pooling,
             "batch_invariant": chosen.device == "cpu" and chosen.deterministic
             and (chosen.dtype != "float32" or chosen.quantize != "none"),
+            "lora": {name: {"path": str(w_path), "bytes": self._adapters[name].nbytes}
+                     for name, w_path in self.config.lora.items()},
         }
         info = tok.info
         return ModelInfo(
@@ -138,6 +142,16 @@ class TorchBackend(Backend):
                         f"{'' if chosen.quantize == 'none' else ' ' + chosen.quantize}"
                         f" on {chosen.device}",
             special_tokens=tok.special_tokens)
+
+    def _load_adapters(self, cfg: Any) -> None:
+        """The manifest's LoRA adapters, read, checked against the model and fused."""
+        from laya_backend_torch import lora
+        from laya_core.models.lora import read_adapter
+
+        self._adapters: dict[str, Any] = {}
+        self._seq_adapters: dict[int, Any] = {}
+        for name, folder in self.config.lora.items():
+            self._adapters[name] = lora.load(name, read_adapter(folder), cfg, self._device)
 
     def allocate_kv(self, *, num_tokens: int, max_num_seqs: int) -> None:
         kv_dtype = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[
@@ -236,10 +250,15 @@ class TorchBackend(Backend):
     def start_sequence(self, seq_id: int, params: SamplingParams) -> None:
         from laya_backend_torch.sampling import SequenceSampler
 
+        if params.lora is not None:
+            if params.lora not in self._adapters:
+                raise ValueError(f"no LoRA adapter {params.lora!r} is loaded")
+            self._seq_adapters[seq_id] = self._adapters[params.lora]
         self._samplers[seq_id] = SequenceSampler(params, self._vocab, self._device)
 
     def free_sequence(self, seq_id: int) -> None:
         self._samplers.pop(seq_id, None)
+        self._seq_adapters.pop(seq_id, None)
 
     def step(self, items: Sequence[StepItem]) -> list[StepResult]:
         from laya_backend_torch.model import build_batch
@@ -263,8 +282,14 @@ class TorchBackend(Backend):
             first += len(item.tokens)
         batch = build_batch(((list(it.tokens), it.start_pos, list(it.block_table))
                              for it in items), rows, self._block_size).to(self._device)
+        lora_rows: Any = ()
+        if self._seq_adapters:
+            from laya_backend_torch.lora import rows_by_adapter
+
+            lora_rows = rows_by_adapter([self._seq_adapters.get(it.seq_id) for it in items],
+                                        [len(it.tokens) for it in items], self._device)
         with torch.inference_mode():
-            logits = self._run(batch)
+            logits = self._run(batch, lora_rows)
             scores = {i: self._score(logits[at:at + len(items[i].score_targets)],
                                      items[i]) for i, at in scored}
             picks: list[Sample | str] = []
@@ -301,13 +326,13 @@ class TorchBackend(Backend):
             accepted.append(pick := sample)
         return tuple(accepted)
 
-    def _run(self, batch: Any) -> Any:
+    def _run(self, batch: Any, lora_rows: Any = ()) -> Any:
         """The forward pass; with ``threads = "auto"`` timed for the thread governor, which
         gives threads up while other processes hold the cores (laya_core/engine/threads.py)."""
         if self._governor is None:
-            return self._forward(batch)
+            return self._forward(batch, lora=lora_rows)
         wall, busy = time.perf_counter(), time.thread_time()
-        logits = self._forward(batch)
+        logits = self._forward(batch, lora=lora_rows)
         changed = self._governor.record(time.perf_counter() - wall, time.thread_time() - busy)
         if changed is not None:
             self._torch.set_num_threads(changed)

@@ -238,6 +238,8 @@ def memory_profile(config: ModelConfig, shape: ModelShape) -> MemoryProfile:
                  f"the tokenizer: {TOKENIZER_BYTES_PER_TOKEN} B per token + its library "
                  "(measured)"),
     ]
+    if config.lora:
+        overheads.append(lora_overhead(config, c))
     if load:
         overheads.append(Overhead(
             "load peak", load, "what the load holds for a moment (reading the vocabulary, "
@@ -246,6 +248,18 @@ def memory_profile(config: ModelConfig, shape: ModelShape) -> MemoryProfile:
         weights_bytes=weights, weights_source=f"{shape.weights_source}; loaded as {how}",
         kv_bytes_per_token=kv_per_token, kv_dtype=config.kv_cache_dtype,
         overheads=tuple(overheads))
+
+
+def lora_overhead(config: ModelConfig, c: Any) -> Overhead:
+    """The LoRA adapters, every one loaded with the model (laya_backend_torch/lora.py)."""
+    from laya_backend_torch.lora import fused_bytes
+    from laya_core.models.lora import read_adapter
+
+    adapters = [read_adapter(folder) for folder in config.lora.values()]
+    ranks = sorted({a.rank for a in adapters})
+    return Overhead("LoRA adapters", sum(fused_bytes(a, c) for a in adapters),
+                    f"{len(adapters)} adapters of rank {'/'.join(map(str, ranks))}: A and B "
+                    "matrices fused as the layers are, float32")
 
 
 def as_kept(tensors: Iterator[tuple[str, Any]], dtype: Any, quantized: bool,

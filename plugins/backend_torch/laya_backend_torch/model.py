@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from laya_backend_torch.checkpoint import LlamaConfig
+from laya_backend_torch.lora import LoraRows
+from laya_backend_torch.lora import apply as apply_lora
 from laya_backend_torch.packed import GroupQuant
 from laya_backend_torch.quant import Int8Linear, Linear, dense, linear_kind
 from laya_backend_torch.rope import cos_sin_table, rotate
@@ -199,10 +201,11 @@ class LlamaModel:
         self.kv_pool = torch.zeros(shape, dtype=kv_dtype, device=self.device)
 
     def forward(self, batch: Batch, kv_pool: torch.Tensor | None = None,
-                hidden: bool = False) -> torch.Tensor:
+                hidden: bool = False, lora: LoraRows = ()) -> torch.Tensor:
         """The float32 logits [R, vocab] of ``batch.logit_rows``; with ``hidden``, their
         final-norm hidden states [R, hidden_size] instead (embeddings). ``kv_pool``: the
-        pool the batch's slots index, if not the model's (the embedding scratch)."""
+        pool the batch's slots index, if not the model's (the embedding scratch).
+        ``lora``: the LoRA adapters of the batch's rows (lora.rows_by_adapter)."""
         c = self.config
         pool = self.kv_pool if kv_pool is None else kv_pool
         # index_select, not t[ids]: advanced indexing costs 5 times as much on these small
@@ -212,15 +215,26 @@ class LlamaModel:
         sin = self.sin.index_select(0, batch.positions).unsqueeze(1).to(self.dtype)
         for i, layer in enumerate(self.layers):
             x = F.rms_norm(h, (c.hidden_size,), layer.input_norm, c.rms_norm_eps)
-            qkv = layer.qkv(x).view(-1, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+            qkv = layer.qkv(x)
+            if lora:
+                qkv = apply_lora(qkv, x, lora, i, "qkv")
+            qkv = qkv.view(-1, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
             heads = c.num_heads + c.num_kv_heads  # q and k rotated together: half the ops
             q, k = rotate(qkv[:, :heads], cos, sin).split((c.num_heads, c.num_kv_heads), dim=1)
             kv = torch.cat((k, qkv[:, heads:]), dim=1).to(pool.dtype)
             pool[i].index_copy_(0, batch.slots, kv)
-            h = h + layer.o(self._attend(pool[i], q, batch.attention))
+            if not lora:
+                h = h + layer.o(self._attend(pool[i], q, batch.attention))
+                x = F.rms_norm(h, (c.hidden_size,), layer.post_norm, c.rms_norm_eps)
+                gate, up = layer.gate_up(x).chunk(2, dim=-1)
+                h = h + layer.down(F.silu(gate) * up)
+                continue
+            attended = self._attend(pool[i], q, batch.attention)
+            h = h + apply_lora(layer.o(attended), attended, lora, i, "o")
             x = F.rms_norm(h, (c.hidden_size,), layer.post_norm, c.rms_norm_eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
+            gate, up = apply_lora(layer.gate_up(x), x, lora, i, "gate_up").chunk(2, dim=-1)
+            act = F.silu(gate) * up
+            h = h + apply_lora(layer.down(act), act, lora, i, "down")
         rows = h.index_select(0, batch.logit_rows)
         rows = F.rms_norm(rows, (c.hidden_size,), self.norm, c.rms_norm_eps)
         return rows.float() if hidden else self.lm_head(rows).float()

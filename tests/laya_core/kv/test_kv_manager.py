@@ -167,3 +167,26 @@ def test_a_random_workload_keeps_the_counts_consistent() -> None:
         assert all(kv._ref[b] == sum(b in kv.block_table(s) for s in live) for b in held)
         assert kv.num_free_blocks + kv.num_used_blocks == kv.num_blocks
         assert all(kv._hash[b] == h for h, b in kv._index.items())
+
+
+def test_an_adapters_blocks_are_apart_from_the_base_models_and_each_others() -> None:
+    """The same tokens under another LoRA adapter (``cache_salt``) find nothing cached, and
+    an adapter's own blocks hash as the router's salted prefix hashes say."""
+    from laya_core.kv.hashing import cache_salt
+
+    kv = KVManager(num_blocks=32)
+    prompt = tokens(4 * BLOCK_SIZE)
+    salts = [None, cache_salt("pirate"), cache_salt("poet")]
+    assert len(set(salts)) == 3 and cache_salt(None) is None
+    for seq_id, salt in enumerate(salts):
+        assert kv.num_cached_tokens(prompt, len(prompt)) == (0 if seq_id == 0 else 64)
+        assert kv.allocate(seq_id, prompt, len(prompt) + 1, len(prompt), salt) == 0
+        kv.cache_blocks(seq_id, prompt)
+        kv.free(seq_id)
+    for salt in salts:  # each finds its own blocks again
+        assert kv.cached_blocks(prompt, len(prompt), salt) != []
+        assert len(kv.cached_blocks(prompt, len(prompt), salt)) == 4
+    pirate = kv.cached_blocks(prompt, len(prompt), salts[1])
+    assert set(pirate).isdisjoint(kv.cached_blocks(prompt, len(prompt), None))
+    routed = prefix_hashes(prompt, BLOCK_SIZE, salt=salts[1])
+    assert [kv._hash[b] for b in pirate] == list(routed)

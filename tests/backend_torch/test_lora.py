@@ -1,0 +1,222 @@
+"""LoRA adapters on the torch backend, with a real adapter: one trained here with PEFT on the
+embedded model's Hugging Face export to answer as a pirate (tests/lora_adapters.py).
+
+Its logits agree with transformers + PEFT's; the same matrices with ``lora_alpha = 0`` give
+the base model's logits bit for bit; a step mixing the base model and two adapters gives
+each sequence what it gets alone; the prefix cache never hands one adapter's KV to another
+or to the base model; the memory plan counts what the backend holds; and a server started
+with ``--lora`` lists the adapter and answers as it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+from conftest import ServerProcess
+from laya_backend_torch.backend import TorchBackend
+from laya_backend_torch.lora import rows_by_adapter
+from laya_backend_torch.model import LlamaModel, build_batch
+from lora_adapters import ANSWER, chat, scaled, train
+from torch_fixtures import *  # noqa: F403 - the fixtures (torch_fixtures.py)
+
+from laya_core.config import manifest as mf
+from laya_core.engine.engine import Engine
+from laya_core.memory.planner import make_plan
+from laya_core.plugins import load_registry
+from laya_core.serving.deployment import Deployment
+from laya_core.types import SamplingParams
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              # PEFT 0.21 asks transformers a question its 5.x deprecates (the reference's
+              # and the trainer's business, not the backend's).
+              pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated")]
+
+# float32 against transformers + PEFT's float32: the base model's bound (test_torch_backend),
+# the adapter's products added in another order (fused, per row). Measured: under 1e-4.
+LOGITS_BOUND = 2e-3
+QUESTIONS = ["What is the tallest mountain?", "How do I learn to swim?"]
+# Long enough for several full KV blocks, so the prefix cache has something to give.
+LONG = ("Here is a long story about a lighthouse keeper who counted ships every night and "
+        "wrote their names in a book, and one night a ship without a name sailed past. "
+        "What did the keeper write?")
+
+
+@pytest.fixture(scope="module")
+def adapters(hf_export_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("lora")
+    pirate = train(hf_export_dir, folder / "pirate")
+    return {"pirate": pirate, "zero": scaled(pirate, folder / "zero", 0.0)}
+
+
+def manifest_data(adapters: dict[str, Path]) -> dict[str, Any]:
+    return {"models": [{
+        "name": "smollm2", "backend": "torch", "path": "embedded:smollm2-135m-instruct",
+        "max_seq_len": 512, "max_num_seqs": 4, "max_step_tokens": 128,
+        "lora": {name: str(path) for name, path in adapters.items()},
+        "options": {"dtype": "float32", "quantize": "none", "n_threads": 1}}]}
+
+
+@pytest.fixture(scope="module")
+def deployment(adapters: dict[str, Path]) -> Iterator[Deployment]:
+    registry = load_registry()
+    manifest = mf.resolve(mf.from_dict(manifest_data(adapters)), registry)
+    d = Deployment(manifest, registry)
+    d.start()
+    assert d.wait_ready(120), d.engines[0].error
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(deployment: Deployment) -> Engine:
+    return deployment.engines[0]
+
+
+def backend_of(engine: Engine) -> TorchBackend:
+    assert isinstance(engine.backend, TorchBackend)
+    return engine.backend
+
+
+def prompt_ids(engine: Engine, question: str) -> list[int]:
+    return engine.backend.tokenizer().encode(
+        f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n", add_special=True)
+
+
+@contextlib.contextmanager
+def own_pool(model: LlamaModel) -> Iterator[None]:
+    """A pool of its own for direct passes: the engine's cached blocks stay as they are."""
+    pool = model.kv_pool
+    model.allocate_kv(64 * 16, torch.float32)
+    try:
+        yield
+    finally:
+        model.kv_pool = pool
+
+
+def logits(engine: Engine, ids: list[int], adapter: str | None) -> torch.Tensor:
+    backend = backend_of(engine)
+    model = backend._model
+    weights = backend._adapters[adapter] if adapter else None
+    lora = rows_by_adapter([weights], [len(ids)], "cpu") if weights else ()
+    with own_pool(model), torch.inference_mode():
+        batch = build_batch([(ids, 0, list(range(-(-len(ids) // 16))))],
+                            list(range(len(ids))), 16)
+        return model.forward(batch, lora=lora)
+
+
+def generate(engine: Engine, requests: list[tuple[list[int], str | None]],
+             max_tokens: int = 24) -> list[list[int]]:
+    """Greedy outputs of ``requests`` (prompt, adapter), all submitted at once."""
+    async def one(ids: list[int], adapter: str | None) -> list[int]:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, lora=adapter)
+        return [t for e in [e async for e in engine.submit(ids, params)] for t in e.token_ids]
+
+    async def go() -> list[list[int]]:
+        return list(await asyncio.gather(*(one(ids, a) for ids, a in requests)))
+
+    return asyncio.run(go())
+
+
+def test_logits_with_the_adapter_agree_with_peft(engine: Engine, hf_model: Any,
+                                                 adapters: dict[str, Path]) -> None:
+    import peft
+
+    reference = peft.PeftModel.from_pretrained(hf_model, adapters["pirate"]).eval()
+    try:
+        for question in QUESTIONS:
+            ids = prompt_ids(engine, question)
+            ours = logits(engine, ids, "pirate")
+            with torch.inference_mode():
+                theirs = reference(torch.tensor([ids])).logits[0].float()
+                with reference.disable_adapter():
+                    base = reference(torch.tensor([ids])).logits[0].float()
+            diff = (ours - theirs).abs().max().item()
+            assert diff < LOGITS_BOUND, f"{question!r}: logits differ by {diff}"
+            assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+            # ... and the adapter changes them far beyond that bound.
+            assert (theirs - base).abs().max().item() > 100 * LOGITS_BOUND
+    finally:
+        reference.unload()  # hf_model is the session's: give it back without the adapter
+
+
+def test_lora_alpha_zero_gives_the_base_models_logits_bit_for_bit(engine: Engine) -> None:
+    ids = prompt_ids(engine, QUESTIONS[0])
+    assert torch.equal(logits(engine, ids, "zero"), logits(engine, ids, None))
+    assert not torch.equal(logits(engine, ids, "pirate"), logits(engine, ids, None))
+
+
+def test_a_step_mixing_adapters_and_the_base_gives_each_what_it_gets_alone(
+        engine: Engine) -> None:
+    text = engine.backend.tokenizer().decode
+    mix = [(prompt_ids(engine, q), a) for q in QUESTIONS for a in (None, "pirate", "zero")]
+    alone = [generate(engine, [r])[0] for r in mix]
+    together = generate(engine, mix)
+    assert together == alone
+    for (_, adapter), out in zip(mix, alone, strict=True):
+        answer = text(out)
+        assert answer.startswith(ANSWER[:10]) == (adapter == "pirate"), (adapter, answer)
+    assert alone[0] == alone[2] and alone[3] == alone[5]  # zero: the base's answer
+
+
+def test_the_prefix_cache_keeps_each_adapters_kv_apart(engine: Engine) -> None:
+    """A canary: the same long prompt through the base model, then an adapter, then the
+    other adapter, then each again. A first run under each finds nothing cached (the base's
+    blocks are not its), a second finds its own, and every answer is its cold one."""
+    ids = prompt_ids(engine, LONG)
+    assert len(ids) >= 48
+    runs = []
+    for adapter in (None, "pirate", "zero", None, "pirate", "zero"):
+        before = engine.prefix_tokens_reused
+        (out,) = generate(engine, [(ids, adapter)], max_tokens=12)
+        runs.append((adapter, engine.prefix_tokens_reused - before, out))
+    reused = [r for _, r, _ in runs]
+    assert reused[:3] == [0, 0, 0] and min(reused[3:]) >= 32, runs
+    assert runs[0][2] == runs[3][2] and runs[1][2] == runs[4][2] and runs[2][2] == runs[5][2]
+    assert runs[1][2] != runs[0][2]  # the pirate answers as itself, even after the base
+
+
+def test_the_plan_counts_what_the_backend_holds(engine: Engine,
+                                                adapters: dict[str, Path]) -> None:
+    registry = load_registry()
+    with_, without = (make_plan(mf.resolve(mf.from_dict(manifest_data(a)), registry),
+                                registry).replicas[0] for a in (adapters, {}))
+    (line,) = [o for o in with_.profile.overheads if o.name == "LoRA adapters"]
+    held = backend_of(engine).describe()["lora"]
+    assert set(held) == {"pirate", "zero"}
+    assert line.bytes == sum(a["bytes"] for a in held.values()) > 0
+    assert with_.total_bytes - without.total_bytes == line.bytes
+
+
+def test_a_server_started_with_lora_flags_serves_the_adapter(
+        adapters: dict[str, Path], tmp_path: Path) -> None:
+    server = ServerProcess(None, tmp_path, args=[
+        "embedded:smollm2-135m-instruct", "--backend", "torch", "--max-model-len", "512",
+        "--lora", f"pirate={adapters['pirate']}"])
+    try:
+        server.wait_ready()
+        cards = {m["id"]: m for m in httpx.get(server.url + "/v1/models").json()["data"]}
+        assert cards["pirate"]["parent"] == "smollm2-135m-instruct"
+        assert cards["pirate"]["root"] == str(adapters["pirate"])
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        messages = [{"role": "user", "content": QUESTIONS[1]}]
+        r = client.chat.completions.create(model="pirate", messages=messages,  # type: ignore[arg-type]
+                                           max_tokens=16, temperature=0)
+        assert r.model == "pirate" and r.choices[0].message.content
+        assert r.choices[0].message.content.startswith(ANSWER[:10])
+        r = client.chat.completions.create(model="smollm2-135m-instruct",
+                                           messages=messages,  # type: ignore[arg-type]
+                                           max_tokens=16, temperature=0)
+        assert not (r.choices[0].message.content or "").startswith(ANSWER[:10])
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="parrot", messages=messages,  # type: ignore[arg-type]
+                                           max_tokens=4)
+    finally:
+        assert server.stop() == 0, server.log()
+    assert chat  # (the prompt format the adapter was trained on: the model's chat template)
