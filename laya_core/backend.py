@@ -69,6 +69,16 @@ class ModelConfig:
     # LoRA adapters served beside the base model: name -> PEFT folder
     # (laya_core/models/lora.py). A request names one as its ``model``.
     lora: dict[str, str] = attrs.field(factory=dict)
+    # Adapters loaded at once, those of ``lora`` and those loaded while serving
+    # (POST /v1/load_lora_adapter); None: as many as ``lora`` lists. The plan holds room
+    # for each extra one at ``max_lora_rank`` (None: the largest rank of ``lora``, else 16).
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
+
+    @property
+    def lora_slots(self) -> int:
+        """Adapters loaded at once at most."""
+        return len(self.lora) if self.max_loras is None else self.max_loras
 
     @property
     def on_demand(self) -> bool:
@@ -356,6 +366,18 @@ class Backend(abc.ABC):
     def free_sequence(self, seq_id: int) -> None:
         """Drop the sampler state of a sequence that left (and, on the streams layout, the
         KV of its stream)."""
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Load the LoRA adapter in the PEFT folder ``path`` as ``name`` while serving
+        (``POST /v1/load_lora_adapter``; only asked of a backend with ``supports_lora``,
+        between two steps). The front end has read and checked the folder's headers
+        against the model and kept its bytes within the plan (``max_loras``,
+        ``max_lora_rank``); raise a ValueError that says what is wrong otherwise."""
+        raise NotImplementedError(f"the {self.name} backend loads no adapters while serving")
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget adapter ``name`` (between two steps, once no sequence uses it)."""
+        raise NotImplementedError(f"the {self.name} backend unloads no adapters")
 
     def embed(self, token_ids: Sequence[int]) -> Sequence[float]:
         """The embedding of one input (only asked of a backend with ``supports_embeddings``):

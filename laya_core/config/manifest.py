@@ -36,6 +36,7 @@ from laya_core.config.table import (
     non_empty,
     parse_size,
 )
+from laya_core.models.lora import MAX_RANK
 from laya_core.replica.worker_link import DEFAULT_SILENCE_S
 from laya_core.routing.router import POLICIES
 from laya_core.structured.reasoning import REASONING_FORMATS
@@ -145,7 +146,8 @@ MODEL_KEYS = ("name", "backend", "path", "max_seq_len", "max_num_seqs", "kv_cach
               "kv_cache_dtype", "prefix_caching", "routing", "replicas", "max_step_tokens",
               "max_queue", "queue_timeout_s", "scheduler", "cache_policy", "embeddings",
               "tool_call_format", "reasoning_format", "max_reasoning_tokens", "load",
-              "idle_unload_s", "speculative", "lora", "options")
+              "idle_unload_s", "speculative", "lora", "max_loras", "max_lora_rank",
+              "options")
 SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min",
                     "prompt_lookup_max")
 # Speculative decoding's methods (laya_core/engine/speculative.py).
@@ -248,6 +250,13 @@ def _model(data: Any, index: int, base_dir: Path, problems: Problems) -> ModelCo
     speculative = None if raw_speculative is None else \
         _speculative(raw_speculative, t.key("speculative"), problems)
     lora = _lora(t.get("lora", dict, {}), t.key("lora"), base_dir, problems)
+    max_loras = t.int_in("max_loras", 0, 64, None)
+    if max_loras is not None and max_loras < len(lora):
+        t.problem("max_loras", f"must be at least the {len(lora)} adapters lora lists")
+    elif max_loras is not None and max_loras > len(lora) and load == "on_demand":
+        t.problem("max_loras", "room for adapters loaded while serving needs a model loaded "
+                  "always: list a model loaded on demand's adapters in its lora table")
+    max_lora_rank = t.int_in("max_lora_rank", 1, MAX_RANK, None)
     t.finish(MODEL_KEYS)
     if name is None or path is None:
         return None
@@ -258,7 +267,7 @@ def _model(data: Any, index: int, base_dir: Path, problems: Problems) -> ModelCo
                        load or "always",
                        None if idle_unload_s is None else float(idle_unload_s),
                        reasoning_format or "auto", max_reasoning_tokens, speculative,
-                       lora)
+                       lora, max_loras, max_lora_rank)
 
 
 def _from_dict(data: Mapping[str, Any], source: str, base_dir: Path,

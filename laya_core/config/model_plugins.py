@@ -109,10 +109,11 @@ def resolve_model(m: ModelConfig, i: int, registry: Any, need_backends: bool,
         problems.add(f"models[{i}].speculative",
                      f"the {m.backend} backend does not verify drafts (speculative "
                      "decoding); remove the key")
-    if backend and m.lora and not backend.obj.supports_lora:
-        problems.add(f"models[{i}].lora", f"the {m.backend} backend does not apply LoRA "
-                     "adapters; remove the key, or serve the model with a backend that "
-                     "does (torch)")
+    lora_keys = [k for k in ("lora", "max_loras") if getattr(m, k)]
+    if backend and lora_keys and not backend.obj.supports_lora:
+        problems.add(f"models[{i}].{lora_keys[0]}", f"the {m.backend} backend does not "
+                     "apply LoRA adapters; remove the key, or serve the model with a backend "
+                     "that does (torch)")
     if backend and need_backends:
         _check_options(backend.obj, m, i, problems)
         _check_layout(backend.obj, m, i, registry, problems)
@@ -140,9 +141,13 @@ def _check_adapters(backend_cls: Any, m: ModelConfig, path: str, i: int,
         shape = None  # the path's own problem is said where the plan reads it
     for name, folder in m.lora.items():
         try:
-            read_adapter(folder, shape)
+            adapter = read_adapter(folder, shape)
         except AdapterError as e:
             problems.add(f"models[{i}].lora.{name}", str(e))
+            continue
+        if m.max_lora_rank is not None and adapter.rank > m.max_lora_rank:
+            problems.add(f"models[{i}].lora.{name}", f"its rank {adapter.rank} is above "
+                         f"max_lora_rank ({m.max_lora_rank}); raise max_lora_rank")
 
 
 def _check_options(backend_cls: Any, m: ModelConfig, i: int, problems: Problems) -> None:

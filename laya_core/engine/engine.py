@@ -14,8 +14,10 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 from laya_core.backend import Backend, ModelConfig, ModelInfo
+from laya_core.engine.adapters import AdapterJob, AdapterJobs
 from laya_core.engine.allowed_tokens import NO_TOKEN_ALLOWED, TokenConstraint
 from laya_core.engine.detokenizer import IncrementalDetokenizer
 from laya_core.engine.embed_jobs import EmbedCancel, Embeddings, EmbedJob
@@ -75,11 +77,13 @@ class Engine:
         self.scheduler: Scheduler | None = None
         # What the engine thread is asked: a request to add, a sequence id to cancel, an
         # embed request or its cancel, or None to stop.
-        self._inbox: queue.SimpleQueue[Live | int | EmbedJob | EmbedCancel | None] = \
+        self._inbox: queue.SimpleQueue[
+            Live | int | EmbedJob | EmbedCancel | AdapterJob | None] = \
             queue.SimpleQueue()
         # Embed requests, fed after each step in what it left of the step's token budget
         # (laya_core/engine/embed_queue.py); made at load, when the backend's limits are known.
         self._embeds: EmbedQueue | None = None
+        self._adapter_jobs = AdapterJobs()
         self._live: dict[int, Live] = {}
         # Events of this step, by the event loop that reads them; see _flush.
         self._outbox: dict[Courier, list[tuple[EventSink, TokenEvent]]] = {}
@@ -191,6 +195,22 @@ class Engine:
     def cancel(self, seq_id: int) -> None:
         self._inbox.put(seq_id)
 
+    def adapter(self, op: str, name: str, path: str | None = None) -> Future[None]:
+        """Load (``op`` "load", from the PEFT folder ``path``) or unload a LoRA adapter on
+        the engine thread; an unload waits for the requests using it
+        (laya_core/engine/adapters.py). Any thread may call this."""
+        job = AdapterJob(op, name, path)
+        if self.state is not EngineState.READY:
+            job.done.set_exception(EngineUnavailableError(
+                f"{self.config.name} replica {self.replica_id} is {self.state.value}"))
+        else:
+            self._inbox.put(job)
+        return job.done
+
+    def live_requests(self) -> list[Live]:
+        """The requests this engine holds, waiting or running (engine thread)."""
+        return list(self._live.values())
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running) if self.scheduler else 0
@@ -274,6 +294,7 @@ class Engine:
                     self.clock.add(LOOP, start)
                 self._step()
                 embed_next(self)  # laya_core/engine/embedding.py
+                self._adapter_jobs.check(self)  # laya_core/engine/adapters.py
         except Exception as e:  # noqa: BLE001 - a plugin's fault fails this replica only
             self._fail(e)
         finally:
@@ -283,6 +304,8 @@ class Engine:
                     self._finish(live, FinishReason.CANCELLED, "")
             if self._embeds is not None:
                 self._embeds.fail_all(EngineUnavailableError(self.error or "the replica stopped"))
+            self._adapter_jobs.fail_all(EngineUnavailableError(self.error or
+                                                               "the replica stopped"))
             self._flush()
             self.backend.close()
 
@@ -311,6 +334,8 @@ class Engine:
                 return
             if isinstance(payload, EmbedJob):
                 payload.fail(EngineUnavailableError(self.error))
+            if isinstance(payload, AdapterJob):
+                payload.done.set_exception(EngineUnavailableError(self.error))
             lives = [payload] if isinstance(payload, Live) else []
 
     def _emit(self, live: Live, event: TokenEvent) -> None:
@@ -348,6 +373,8 @@ class Engine:
             elif isinstance(payload, EmbedCancel):
                 assert self._embeds is not None
                 self._embeds.cancel(payload.job)
+            elif isinstance(payload, AdapterJob):
+                self._adapter_jobs.add(self, payload)
             elif (live := self._live.get(payload)) is not None:
                 self._finish(live, FinishReason.CANCELLED, "")
 

@@ -20,6 +20,7 @@ from laya_core.http.health import health_routes
 from laya_core.http.hosts import HostCheckMiddleware, host_rule
 from laya_core.http.messages import message_routes
 from laya_core.http.metrics import metrics_registry
+from laya_core.http.lora_routes import lora_routes
 from laya_core.http.model_cards import model_routes
 from laya_core.http.observe import Observer
 from laya_core.http.responses import response_routes
@@ -35,6 +36,7 @@ def create_app(deployment: Deployment) -> Starlette:
     routes = [
         *health_routes(deployment, registry),  # /health, /ready, /metrics
         *model_routes(deployment),  # /v1/models, /v1/models/{model}
+        *lora_routes(deployment),  # /v1/load_lora_adapter, /v1/unload_lora_adapter
         *completion_routes(deployment, observer := Observer(registry, window)),
         *response_routes(deployment, observer),  # /v1/responses, on the chat path
         *message_routes(deployment, observer),  # Anthropic's /v1/messages, on the chat path

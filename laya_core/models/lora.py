@@ -8,8 +8,8 @@ model, ``...layers.{i}.{self_attn|mlp}.{name}.lora_A.weight`` of shape [r, in] a
 
 :func:`read_adapter` checks a folder against the base model's shape before anything loads
 (names, ranks, shapes, and that the file holds every byte its header promises) and says what
-is wrong naming the field or the tensor; :func:`adapter_bytes` is what the memory plan
-counts. Nothing here imports torch: backends read the tensors themselves.
+is wrong naming the field or the tensor; a backend prices what it holds of it in the memory
+plan. Nothing here imports torch: backends read the tensors themselves.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ _TENSOR_RE = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\."
                         r"(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 MAX_RANK = 1024
+# The rank an adapter loaded while serving may have when the manifest does not say (vLLM's
+# default max_lora_rank) and no adapter of its lora table is larger.
+DEFAULT_MAX_RANK = 16
 
 
 class AdapterError(ValueError):
@@ -67,9 +70,12 @@ class Adapter:
         return sum(math.prod(t.shape) for t in self.tensors)
 
 
-def adapter_bytes(adapter: Adapter, element_bytes: int) -> int:
-    """Bytes the adapter holds once loaded with ``element_bytes`` per element."""
-    return adapter.num_elements * element_bytes
+def rank_limit(max_lora_rank: int | None, ranks: list[int]) -> int:
+    """The largest rank an adapter loaded while serving may have: ``max_lora_rank``, else
+    the largest of the lora table's ``ranks``, else :data:`DEFAULT_MAX_RANK`."""
+    if max_lora_rank is not None:
+        return max_lora_rank
+    return max(ranks or [DEFAULT_MAX_RANK])
 
 
 def _config(folder: Path) -> dict[str, Any]:

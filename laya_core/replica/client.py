@@ -175,6 +175,13 @@ class EngineClient(abc.ABC):
         raise EmbeddingsUnsupportedError(f"{self.model} replica {self.replica_id} cannot "
                                          "compute embeddings")
 
+    async def adapter(self, op: str, name: str, path: str | None = None) -> None:
+        """Load (``op`` "load", from the PEFT folder ``path``) or unload LoRA adapter
+        ``name`` on the replica (laya_core/engine/adapters.py): a load between two steps,
+        an unload once no request of the replica uses it. Raises what the backend raised."""
+        raise NotImplementedError(f"{self.model} replica {self.replica_id} loads no "
+                                  "adapters while serving")
+
 
 class LocalEngineClient(EngineClient):
     """An :class:`Engine` running on a thread of this process."""
@@ -252,3 +259,6 @@ class LocalEngineClient(EngineClient):
         # The job keeps lists of its own: nothing the caller holds is read on the engine
         # thread. A cancel of this call cancels the engine's future, which tells the engine.
         return await self._engine.embed([list(ids) for ids in inputs])
+
+    async def adapter(self, op: str, name: str, path: str | None = None) -> None:
+        await asyncio.wrap_future(self._engine.adapter(op, name, path))

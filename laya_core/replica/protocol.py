@@ -12,7 +12,9 @@ Front end to replica:
   a Ray actor gets them as its constructor's arguments);
 - ``("submit", rid, prompt_token_ids, SamplingParams, ConstraintSpec | None)``;
 - ``("cancel", rid)``, ``("embed", rid, inputs)``, ``("embed_cancel", rid)`` (its caller
-  went away: the engine drops what is left of it, and nothing is sent back), ``("stop",)``.
+  went away: the engine drops what is left of it, and nothing is sent back),
+  ``("adapter", rid, "load" | "unload", name, path | None)`` (a LoRA adapter while
+  serving, laya_core/engine/adapters.py), ``("stop",)``.
 
 Replica to front end:
 
@@ -23,7 +25,8 @@ Replica to front end:
   them, the replica's event loop the ack), and they count as the ack;
 - ``("events", [(rid, TokenEvent), ...], ReplicaSnapshot)``: one message per engine step
   with every request's events of that step, not a message per token per request;
-- ``("embedded", rid, Embeddings | None, kind, message, param)``;
+- ``("embedded", rid, Embeddings | None, kind, message, param)``, and for an adapter job
+  ``("adapted", rid, None, kind, message, param)`` (kind None: done);
 - ``("state", ReplicaSnapshot)`` every :data:`STATE_EVERY_S` while nothing else is sent, and
   ``("beat",)`` likewise while the model loads: the heartbeat by which the front end tells a
   live worker from a stuck one.

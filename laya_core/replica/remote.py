@@ -216,6 +216,25 @@ class RemoteEngineClient(EngineClient):
         assert isinstance(result, Embeddings)
         return result
 
+    async def adapter(self, op: str, name: str, path: str | None = None) -> None:
+        # The reply comes as an embed's does ("adapted" is dispatched as "embedded"), and a
+        # lost replica fails it alike.
+        if self._state is not EngineState.READY:
+            raise EngineUnavailableError(
+                f"{self.model} replica {self.replica_id} is {self._state.value}")
+        loop = asyncio.get_running_loop()
+        rid = next(self._ids)
+        future: asyncio.Future[Any] = loop.create_future()
+        with self._lock:
+            self._embeds[rid] = (loop, future)
+        if not self._send(("adapter", rid, op, name, path)):
+            with self._lock:
+                self._embeds.pop(rid, None)
+            raise EngineUnavailableError(f"{self.model} replica {self.replica_id} is down")
+        _, kind, message, param = await future
+        if kind is not None:
+            raise refused(kind, message, param)
+
     # -- messages from the replica -----------------------------------------------------------
 
     def _forget(self, rid: int) -> None:
@@ -249,7 +268,7 @@ class RemoteEngineClient(EngineClient):
                 _call(request.loop, _resolve, request.ack,
                       None if kind == "ack" else tuple(message[2:]))
                 request.ack = None
-        elif kind == "embedded":
+        elif kind in ("embedded", "adapted"):
             with self._lock:
                 found = self._embeds.pop(message[1], None)
             if found is not None:

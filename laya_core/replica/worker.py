@@ -209,6 +209,8 @@ class _Worker:
             task = self.embeds.pop(message[1], None)
             if task is not None:  # cancels the engine's future, which tells the engine
                 task.cancel()
+        elif kind == "adapter":
+            asyncio.ensure_future(self._adapter(*message[1:]))
         elif kind == "stop":
             self.done.set()
 
@@ -240,6 +242,14 @@ class _Worker:
         finally:
             self.embeds.pop(rid, None)
         self.send(("embedded", rid, result, None, None, None))
+
+    async def _adapter(self, rid: int, op: str, name: str, path: str | None) -> None:
+        try:
+            await asyncio.wrap_future(self.engine.adapter(op, name, path))
+        except Exception as e:  # noqa: BLE001 - the front end raises the matching error
+            self.send(("adapted", rid, None, *refusal_of(e)))
+            return
+        self.send(("adapted", rid, None, None, None, None))
 
     async def heartbeat(self) -> None:
         while not self.done.is_set():

@@ -9,7 +9,9 @@ are :mod:`laya_core.serving.prompts`'; the line a loaded replica logs is
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
 import functools
 import logging
 import time
@@ -24,6 +26,8 @@ from laya_core.engine.engine import Engine
 from laya_core.engine.state import EngineState
 from laya_core.logs import resident_bytes
 from laya_core.memory.ledger import Plan
+from laya_core.models.checks import ModelFileError
+from laya_core.models.lora import AdapterError, rank_limit, read_adapter
 from laya_core.plugins import Registry
 from laya_core.replica.client import EngineClient, LocalEngineClient, ReplicaSnapshot
 from laya_core.replica.engine_backend import EngineBackendClient
@@ -38,6 +42,10 @@ from laya_core.structured.tool_formats import ToolFormat, tool_format
 from laya_core.structured.tools import ToolUse
 
 log = logging.getLogger(__name__)
+
+
+class AdapterRoomError(ValueError):
+    """The plan holds room for no more LoRA adapters on the model (its max_loras)."""
 
 
 class UnknownModelError(LookupError):
@@ -108,6 +116,7 @@ class Deployment:
         # LoRA adapters' names -> the model each adapts (ModelConfig.lora): a request naming
         # an adapter runs on its model, with it.
         self.adapters: dict[str, str] = {}
+        self.adapter_paths: dict[str, str] = {}  # each adapter's PEFT folder
         # Tokens per KV block of each model's backend (Backend.block_size), known before
         # any replica loads: the router's prefix hashes and /live's blocks count in them.
         self.block_sizes: dict[str, int] = {}
@@ -153,7 +162,58 @@ class Deployment:
                 config.name, self.plan.model_bytes(config.name) if self.plan else 0,
                 config.queue_timeout_s, config.idle_unload_s, config.max_queue))
         self.adapters = {**self.adapters, **{name: config.name for name in config.lora}}
+        self.adapter_paths = {**self.adapter_paths, **config.lora}
         self.models = {**self.models, config.name: config}
+
+    def check_adapter(self, model: str, path: str) -> None:
+        """Whether the PEFT folder ``path`` may be loaded on ``model`` now: an adapter of its
+        shape (else AdapterError), of a rank the plan holds room for (``max_lora_rank``),
+        with fewer than ``max_loras`` loaded (else AdapterRoomError). Reads headers only."""
+        config = self.models[model]
+        try:
+            shape = self.registry.backends[config.backend].obj.model_shape(config.path)
+        except (ModelFileError, OSError, ValueError) as e:
+            raise AdapterError(f"the model's shape could not be read: {e}") from None
+        adapter = read_adapter(path, shape)
+        limit = rank_limit(config.max_lora_rank,
+                           [read_adapter(p).rank for p in config.lora.values()])
+        if adapter.rank > limit:
+            raise AdapterError(f"the adapter's rank {adapter.rank} is above max_lora_rank "
+                               f"({limit}), which the memory plan holds room for")
+        loaded = sum(1 for m in self.adapters.values() if m == model)
+        if loaded >= config.lora_slots:
+            raise AdapterRoomError(f"{loaded} adapters are loaded on {model!r}, its "
+                                   "max_loras; unload one first")
+
+    async def load_adapter(self, model: str, name: str, path: str) -> None:
+        """Load LoRA adapter ``name`` on every replica of ``model`` (all or none), then route
+        requests naming it there. A worker that restarts loads it again (its config says
+        it). The caller has checked the folder and the plan's room."""
+        done: list[EngineClient] = []
+        try:
+            for client in self.clients_of(model):
+                await client.adapter("load", name, path)
+                done.append(client)
+        except BaseException:
+            for client in done:
+                with contextlib.suppress(Exception):
+                    await client.adapter("unload", name)
+            raise
+        for client in done:
+            _note_adapter(client, name, path)
+        self.adapters = {**self.adapters, name: model}
+        self.adapter_paths = {**self.adapter_paths, name: path}
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop routing requests to adapter ``name``, and unload it from each replica once
+        the requests using it there have finished."""
+        model = self.adapters[name]
+        self.adapters = {k: v for k, v in self.adapters.items() if k != name}
+        self.adapter_paths = {k: v for k, v in self.adapter_paths.items() if k != name}
+        clients = self.clients_of(model)
+        for client in clients:
+            _note_adapter(client, name, None)
+        await asyncio.gather(*(c.adapter("unload", name) for c in clients))
 
     def add_model(self, config: ModelConfig, plan: Plan | None) -> None:
         """Serve one more model, loaded on demand (one found while serving: ``laya serve
@@ -385,3 +445,13 @@ def _wait_ready(client: EngineClient, timeout: float | None) -> bool:
     if isinstance(client, LocalEngineClient):
         return client.engine.wait_ready(timeout)
     return bool(client.wait_ready(timeout))  # type: ignore[attr-defined]
+
+
+def _note_adapter(client: EngineClient, name: str, path: str | None) -> None:
+    """Keep a worker's config in step with the adapters loaded while serving (``path``
+    None: unloaded), so that a restarted worker loads them again."""
+    if isinstance(client, RemoteEngineClient):
+        lora = {k: v for k, v in client.config.lora.items() if k != name}
+        if path is not None:
+            lora[name] = path
+        client.config = attrs.evolve(client.config, lora=lora)

@@ -10,7 +10,9 @@ with ``--lora`` lists the adapter and answers as it."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -220,3 +222,99 @@ def test_a_server_started_with_lora_flags_serves_the_adapter(
     finally:
         assert server.stop() == 0, server.log()
     assert chat  # (the prompt format the adapter was trained on: the model's chat template)
+
+
+def test_room_for_adapters_loaded_while_serving_is_planned(adapters: dict[str, Path],
+                                                          engine: Engine) -> None:
+    """max_loras beyond the lora table holds room for adapters of max_lora_rank on every
+    module: the pirate (rank 8, every module) fills one slot exactly."""
+    registry = load_registry()
+    data = manifest_data({})
+    data["models"][0].update(max_loras=2, max_lora_rank=8)
+    (line,) = [o for o in make_plan(mf.resolve(mf.from_dict(data), registry),
+                                    registry).replicas[0].profile.overheads
+               if o.name == "LoRA adapters"]
+    assert line.bytes == 2 * backend_of(engine)._adapters["pirate"].nbytes
+    assert "room for 2 loaded while serving" in line.how
+
+
+def test_adapters_load_and_unload_while_serving(adapters: dict[str, Path],
+                                                tmp_path: Path) -> None:
+    """One slot: a bad folder and a second adapter are refused naming the field; an unload
+    asked while a request of the adapter streams stops new requests naming it at once and
+    answers after that request ends; the slot then takes another adapter."""
+    key = "sk-laya-lora-test"
+    manifest = f"""
+[server]
+port = {{port}}
+api_keys = ["{key}"]
+
+[[models]]
+name = "smollm2"
+backend = "torch"
+path = "embedded:smollm2-135m-instruct"
+max_seq_len = 512
+max_loras = 1
+max_lora_rank = 8
+"""
+    server = ServerProcess(manifest, tmp_path)
+    auth = {"Authorization": f"Bearer {key}"}
+
+    def post(path: str, body: dict[str, Any], headers: dict[str, str] = auth) -> httpx.Response:
+        return httpx.post(server.url + path, json=body, headers=headers, timeout=120)
+
+    def error(r: httpx.Response, status: int, param: str) -> str:
+        assert r.status_code == status, r.text
+        assert r.json()["error"]["param"] == param, r.text
+        return str(r.json()["error"]["message"])
+
+    try:
+        server.wait_ready(api_key=key)
+        pirate = {"lora_name": "pirate", "lora_path": str(adapters["pirate"])}
+        assert post("/v1/load_lora_adapter", pirate, {}).status_code == 401
+        assert "no such folder" in error(post("/v1/load_lora_adapter", {
+            **pirate, "lora_path": str(tmp_path / "nothing")}), 400, "lora_path")
+        assert "'lora_path' is required" in error(
+            post("/v1/load_lora_adapter", {"lora_name": "x"}), 400, "lora_path")
+        r = post("/v1/load_lora_adapter", pirate)
+        assert r.status_code == 200 and r.json()["status"] == "loaded", r.text
+        assert "max_loras" in error(post("/v1/load_lora_adapter", {
+            "lora_name": "zero", "lora_path": str(adapters["zero"])}), 400, "lora_name")
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=key)
+        messages = [{"role": "user", "content": QUESTIONS[0]}]
+        r1 = client.chat.completions.create(model="pirate", messages=messages,  # type: ignore[arg-type]
+                                            max_tokens=16, temperature=0)
+        assert (r1.choices[0].message.content or "").startswith(ANSWER[:10])
+
+        events: list[str] = []
+        stream = client.chat.completions.create(
+            model="pirate", messages=messages, max_tokens=200, temperature=0,  # type: ignore[arg-type]
+            stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))  # running
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            unloading = pool.submit(lambda: (post("/v1/unload_lora_adapter",
+                                                  {"lora_name": "pirate"}),
+                                             events.append("unloaded"))[0])
+            while "pirate" in {m.id for m in client.models.list().data}:
+                time.sleep(0.05)  # until the unload is received
+            with pytest.raises(openai.NotFoundError):
+                client.chat.completions.create(model="pirate", messages=messages,  # type: ignore[arg-type]
+                                               max_tokens=4)
+            for _ in stream:
+                pass
+            events.append("stream ended")
+            r = unloading.result(timeout=120)
+        assert r.status_code == 200 and r.json()["status"] == "unloaded", r.text
+        assert events == ["stream ended", "unloaded"]
+        assert "no adapter 'pirate'" in error(
+            post("/v1/unload_lora_adapter", {"lora_name": "pirate"}), 404, "lora_name")
+        r = post("/v1/load_lora_adapter", {"lora_name": "zero",
+                                           "lora_path": str(adapters["zero"])})
+        assert r.status_code == 200, r.text
+        r2 = client.chat.completions.create(model="zero", messages=messages,  # type: ignore[arg-type]
+                                            max_tokens=16, temperature=0)
+        r3 = client.chat.completions.create(model="smollm2", messages=messages,  # type: ignore[arg-type]
+                                            max_tokens=16, temperature=0)
+        assert r2.choices[0].message.content == r3.choices[0].message.content
+    finally:
+        assert server.stop() == 0, server.log()

@@ -117,7 +117,7 @@ class TorchBackend(Backend):
         self._samplers: dict[int, Any] = {}
         self._load_adapters(cfg)
         self.pooling = read_shape(self.config.path).pooling or DEFAULT_POOLING
-        self._runtime = {
+        self._runtime: dict[str, Any] = {
             "device": chosen.device, "dtype": chosen.dtype, "dtype_reason": chosen.reason,
             "quantize": chosen.quantize, "quantize_reason": chosen.quantize_reason,
             "n_threads": chosen.threads, "compile": chosen.compile,
@@ -150,8 +150,24 @@ class TorchBackend(Backend):
 
         self._adapters: dict[str, Any] = {}
         self._seq_adapters: dict[int, Any] = {}
+        self._config = cfg
         for name, folder in self.config.lora.items():
             self._adapters[name] = lora.load(name, read_adapter(folder), cfg, self._device)
+
+    def load_adapter(self, name: str, path: str) -> None:
+        from laya_backend_torch import lora
+        from laya_core.models.lora import read_adapter
+
+        if name in self._adapters:
+            raise ValueError(f"an adapter named {name!r} is loaded already")
+        self._adapters[name] = lora.load(name, read_adapter(path), self._config, self._device)
+        self._runtime["lora"][name] = {"path": path, "bytes": self._adapters[name].nbytes}
+
+    def unload_adapter(self, name: str) -> None:
+        if any(w.name == name for w in self._seq_adapters.values()):
+            raise ValueError(f"adapter {name!r} is in use")  # (the engine waits for that)
+        self._adapters.pop(name, None)
+        self._runtime["lora"].pop(name, None)
 
     def allocate_kv(self, *, num_tokens: int, max_num_seqs: int) -> None:
         kv_dtype = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[

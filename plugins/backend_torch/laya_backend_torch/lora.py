@@ -67,6 +67,13 @@ def fused_bytes(adapter: Adapter, c: LlamaConfig) -> int:
     return 4 * (a_elements + b_elements)
 
 
+def largest_bytes(rank: int, c: LlamaConfig) -> int:
+    """Bytes of the largest adapter of ``rank``: every module of every layer adapted."""
+    outs, ins = sizes(c)
+    per_layer = sum(len(outs[key]) * rank * (ins[key] + sum(outs[key])) for key in FUSED)
+    return 4 * c.num_layers * per_layer
+
+
 def load(name: str, adapter: Adapter, c: LlamaConfig, device: torch.device) -> LoraWeights:
     """The adapter's tensors read, checked against the model's sizes and fused."""
     from safetensors.torch import load_file

@@ -238,7 +238,7 @@ def memory_profile(config: ModelConfig, shape: ModelShape) -> MemoryProfile:
                  f"the tokenizer: {TOKENIZER_BYTES_PER_TOKEN} B per token + its library "
                  "(measured)"),
     ]
-    if config.lora:
+    if config.lora_slots:
         overheads.append(lora_overhead(config, c))
     if load:
         overheads.append(Overhead(
@@ -252,14 +252,20 @@ def memory_profile(config: ModelConfig, shape: ModelShape) -> MemoryProfile:
 
 def lora_overhead(config: ModelConfig, c: Any) -> Overhead:
     """The LoRA adapters, every one loaded with the model (laya_backend_torch/lora.py)."""
-    from laya_backend_torch.lora import fused_bytes
-    from laya_core.models.lora import read_adapter
+    from laya_backend_torch.lora import fused_bytes, largest_bytes
+    from laya_core.models.lora import rank_limit, read_adapter
 
     adapters = [read_adapter(folder) for folder in config.lora.values()]
-    ranks = sorted({a.rank for a in adapters})
-    return Overhead("LoRA adapters", sum(fused_bytes(a, c) for a in adapters),
-                    f"{len(adapters)} adapters of rank {'/'.join(map(str, ranks))}: A and B "
-                    "matrices fused as the layers are, float32")
+    rank = rank_limit(config.max_lora_rank, [a.rank for a in adapters])
+    extra = config.lora_slots - len(adapters)
+    how = [f"{len(adapters)} of the lora table (rank "
+           f"{'/'.join(map(str, sorted({a.rank for a in adapters})))})"] if adapters else []
+    if extra:
+        how.append(f"room for {extra} loaded while serving, each of rank up to {rank} on "
+                   "every module")
+    return Overhead("LoRA adapters",
+                    sum(fused_bytes(a, c) for a in adapters) + extra * largest_bytes(rank, c),
+                    "; ".join(how) + ": A and B matrices fused as the layers are, float32")
 
 
 def as_kept(tensors: Iterator[tuple[str, Any]], dtype: Any, quantized: bool,
