@@ -126,6 +126,37 @@ def laya_speculative_engine(laya_registry: Registry, laya_model: dict[str, Any],
 
 
 @pytest.fixture(scope="session")
+def laya_lora_engine(laya_registry: Registry, laya_model: dict[str, Any], laya_engine: Engine,
+                     tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    """A second replica of the model under test with three LoRA adapters of random
+    matrices (laya_core/testing/adapters.py): ``a`` and ``b``, and ``zero``, ``a``'s
+    matrices with lora_alpha 0; for a backend that says ``supports_lora``, and skipped,
+    saying so, for one that does not (a backend is not required to apply adapters)."""
+    from laya_core.testing.adapters import random_adapter
+
+    backend = type(laya_engine.backend)
+    if not backend.supports_lora:
+        pytest.skip(f"the {laya_model['backend']} backend does not apply LoRA adapters "
+                    "(supports_lora is False)")
+    shape = backend.model_shape(laya_engine.config.path)
+    folder = tmp_path_factory.mktemp("laya-lora")
+    lora = {"a": random_adapter(folder / "a", shape, seed=1),
+            "b": random_adapter(folder / "b", shape, seed=2),
+            "zero": random_adapter(folder / "zero", shape, seed=1, alpha=0.0)}
+    model = {**laya_model, "name": "under-test-lora",
+             "lora": {name: str(path) for name, path in lora.items()}}
+    deployment = Deployment(mf.resolve(mf.from_dict({"models": [model]}), laya_registry),
+                            laya_registry)
+    deployment.start()
+    if not deployment.wait_ready(300):
+        error = deployment.clients[0].state().error
+        deployment.stop()
+        pytest.fail(f"the replica with adapters did not load: {error}")
+    yield deployment.engines[0]
+    deployment.stop()
+
+
+@pytest.fixture(scope="session")
 def laya_client(laya_deployment: Deployment) -> EngineClient:
     """The replica as the HTTP side sees it, whichever kind of backend serves it."""
     return laya_deployment.clients[0]

@@ -308,6 +308,37 @@ def test_speculative_decoding_gives_the_tokens_of_a_plain_run(
     idle(spec)
 
 
+def test_lora_adapters_apply_per_sequence_and_keep_their_kv_apart(
+        laya_engine: Engine, laya_lora_engine: Engine) -> None:
+    """Three adapters of random matrices (``laya_lora_engine``): ``zero`` (lora_alpha 0)
+    answers as the base model; ``a`` and ``b`` answer otherwise; a batch mixing the base
+    model and the three gives each sequence what it gets alone; and a prompt cached under
+    one of them gives the others nothing from the prefix cache."""
+    lora = laya_lora_engine
+    prompts = [ids(lora, t) for t in (LONG, TEXTS[0], TEXTS[1])]
+    greedy = {"max_tokens": 16, "temperature": 0.0, "logprobs": 2}
+    for prompt in prompts:
+        assert _agrees(run(lora, prompt, lora="zero", **greedy), run(laya_engine, prompt,
+                                                                     **greedy))
+    base = [run(lora, p, **greedy).tokens for p in prompts]
+    changed = [run(lora, p, lora="a", **greedy).tokens for p in prompts]
+    assert base != changed, "adapter 'a' changed no token of three prompts"
+    mixed = [(p, {**greedy, "lora": name}) for p in prompts[1:]
+             for name in (None, "a", "b", "zero")]
+    alone = [run(lora, p, **params) for p, params in mixed]
+    got = together(lora, *mixed)
+    assert all(_agrees(g, w) for g, w in zip(got, alone, strict=True))
+    canary = ids(lora, (TEXTS[3] + " ") * 4)  # a prompt none of them has seen
+    first = {}
+    for name in (None, "a", "b", "zero"):
+        before = lora.prefix_tokens_reused
+        first[name] = run(lora, canary, lora=name, **greedy)
+        assert lora.prefix_tokens_reused == before, f"{name!r} was given another's KV"
+    for name in ("a", None):  # a second run finds its own, and answers alike
+        assert _agrees(run(lora, canary, lora=name, **greedy), first[name])
+    idle(lora)
+
+
 def test_the_suite_ran_on_a_real_model_file(laya_engine: Engine) -> None:
     path = laya_engine.config.path
     assert Path(path).exists(), path
