@@ -191,7 +191,9 @@ class RemoteEngineClient(EngineClient):
     def cancel(self, request_id: int) -> None:
         self._send(("cancel", request_id))
 
-    async def embed(self, inputs: Sequence[Sequence[int]]) -> Embeddings:
+    def _ask(self, kind: str, *args: Any) -> tuple[int, asyncio.Future[Any]]:
+        """Send ``(kind, rid, *args)`` and return the id and the future its answer (an
+        "embedded" or "adapted" message) resolves; a lost replica fails it."""
         if self._state is not EngineState.READY:
             raise EngineUnavailableError(
                 f"{self.model} replica {self.replica_id} is {self._state.value}")
@@ -200,10 +202,14 @@ class RemoteEngineClient(EngineClient):
         future: asyncio.Future[Any] = loop.create_future()
         with self._lock:
             self._embeds[rid] = (loop, future)
-        if not self._send(("embed", rid, [list(i) for i in inputs])):
+        if not self._send((kind, rid, *args)):
             with self._lock:
                 self._embeds.pop(rid, None)
             raise EngineUnavailableError(f"{self.model} replica {self.replica_id} is down")
+        return rid, future
+
+    async def embed(self, inputs: Sequence[Sequence[int]]) -> Embeddings:
+        rid, future = self._ask("embed", [list(i) for i in inputs])
         try:
             result, kind, message, param = await future
         except asyncio.CancelledError:  # the caller went away: so does the replica's work
@@ -217,20 +223,7 @@ class RemoteEngineClient(EngineClient):
         return result
 
     async def adapter(self, op: str, name: str, path: str | None = None) -> None:
-        # The reply comes as an embed's does ("adapted" is dispatched as "embedded"), and a
-        # lost replica fails it alike.
-        if self._state is not EngineState.READY:
-            raise EngineUnavailableError(
-                f"{self.model} replica {self.replica_id} is {self._state.value}")
-        loop = asyncio.get_running_loop()
-        rid = next(self._ids)
-        future: asyncio.Future[Any] = loop.create_future()
-        with self._lock:
-            self._embeds[rid] = (loop, future)
-        if not self._send(("adapter", rid, op, name, path)):
-            with self._lock:
-                self._embeds.pop(rid, None)
-            raise EngineUnavailableError(f"{self.model} replica {self.replica_id} is down")
+        _, future = self._ask("adapter", op, name, path)
         _, kind, message, param = await future
         if kind is not None:
             raise refused(kind, message, param)

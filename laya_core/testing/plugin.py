@@ -112,15 +112,19 @@ def laya_speculative_engine(laya_registry: Registry, laya_model: dict[str, Any],
     if not type(laya_engine.backend).supports_speculative:
         pytest.skip(f"the {laya_model['backend']} backend does not verify drafts "
                     "(supports_speculative is False)")
-    model = {**laya_model, "name": "under-test-speculative",
-             "speculative": {"method": "ngram", "num_speculative_tokens": 4}}
-    deployment = Deployment(mf.resolve(mf.from_dict({"models": [model]}), laya_registry),
-                            laya_registry)
+    yield from _replica_of(laya_registry, {
+        **laya_model, "name": "under-test-speculative",
+        "speculative": {"method": "ngram", "num_speculative_tokens": 4}}, "with drafts")
+
+
+def _replica_of(registry: Registry, model: dict[str, Any], what: str) -> Iterator[Engine]:
+    """A replica of ``model`` (a [[models]] entry), loaded, while the fixture lasts."""
+    deployment = Deployment(mf.resolve(mf.from_dict({"models": [model]}), registry), registry)
     deployment.start()
     if not deployment.wait_ready(300):
         error = deployment.clients[0].state().error
         deployment.stop()
-        pytest.fail(f"the speculative replica did not load: {error}")
+        pytest.fail(f"the replica {what} did not load: {error}")
     yield deployment.engines[0]
     deployment.stop()
 
@@ -143,17 +147,9 @@ def laya_lora_engine(laya_registry: Registry, laya_model: dict[str, Any], laya_e
     lora = {"a": random_adapter(folder / "a", shape, seed=1),
             "b": random_adapter(folder / "b", shape, seed=2),
             "zero": random_adapter(folder / "zero", shape, seed=1, alpha=0.0)}
-    model = {**laya_model, "name": "under-test-lora",
-             "lora": {name: str(path) for name, path in lora.items()}}
-    deployment = Deployment(mf.resolve(mf.from_dict({"models": [model]}), laya_registry),
-                            laya_registry)
-    deployment.start()
-    if not deployment.wait_ready(300):
-        error = deployment.clients[0].state().error
-        deployment.stop()
-        pytest.fail(f"the replica with adapters did not load: {error}")
-    yield deployment.engines[0]
-    deployment.stop()
+    yield from _replica_of(laya_registry, {
+        **laya_model, "name": "under-test-lora",
+        "lora": {name: str(path) for name, path in lora.items()}}, "with adapters")
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,9 +23,10 @@ import torch
 from conftest import ServerProcess
 from laya_backend_torch.backend import TorchBackend
 from laya_backend_torch.lora import rows_by_adapter
-from laya_backend_torch.model import LlamaModel, build_batch
+from laya_backend_torch.model import build_batch
 from lora_adapters import ANSWER, chat, scaled, train
 from torch_fixtures import *  # noqa: F403 - the fixtures (torch_fixtures.py)
+from torch_fixtures import own_pool
 
 from laya_core.config import manifest as mf
 from laya_core.engine.engine import Engine
@@ -89,17 +89,6 @@ def backend_of(engine: Engine) -> TorchBackend:
 def prompt_ids(engine: Engine, question: str) -> list[int]:
     return engine.backend.tokenizer().encode(
         f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n", add_special=True)
-
-
-@contextlib.contextmanager
-def own_pool(model: LlamaModel) -> Iterator[None]:
-    """A pool of its own for direct passes: the engine's cached blocks stay as they are."""
-    pool = model.kv_pool
-    model.allocate_kv(64 * 16, torch.float32)
-    try:
-        yield
-    finally:
-        model.kv_pool = pool
 
 
 def logits(engine: Engine, ids: list[int], adapter: str | None) -> torch.Tensor:

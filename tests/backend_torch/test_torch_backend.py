@@ -4,7 +4,6 @@ loaded from the same weights (the model exported to a Hugging Face folder)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,7 +12,7 @@ import torch
 from laya_backend_torch.backend import TorchBackend
 from laya_backend_torch.model import LlamaModel, build_batch
 from torch_fixtures import *  # noqa: E402, F403 - the fixtures (torch_fixtures.py)
-from torch_fixtures import PROMPTS  # noqa: E402
+from torch_fixtures import PROMPTS, own_pool  # noqa: E402
 
 from laya_core.config import manifest as mf
 from laya_core.engine.engine import Engine
@@ -55,18 +54,6 @@ def model_of(engine: Engine) -> LlamaModel:
     backend = engine.backend
     assert isinstance(backend, TorchBackend)
     return backend._model  # type: ignore[no-any-return]
-
-
-@contextlib.contextmanager
-def own_pool(model: LlamaModel) -> Iterator[None]:
-    """A KV pool of its own for direct forward passes, so that the engine's cached blocks
-    stay as its KV manager knows them (the engine is idle between tests)."""
-    pool = model.kv_pool
-    model.allocate_kv(64 * 16, torch.float32)
-    try:
-        yield
-    finally:
-        model.kv_pool = pool
 
 
 def solo_logits(model: LlamaModel, ids: list[int], table: list[int]) -> torch.Tensor:

@@ -8,6 +8,7 @@ second conftest.py here would take that name when both folders are collected."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import pytest
 
 from laya_core.builtin.model_paths import embedded_file
 
-__all__ = ["hf_export_dir", "hf_model", "one_torch_thread", "pack_words"]
+__all__ = ["hf_export_dir", "hf_model", "one_torch_thread", "own_pool", "pack_words"]
 
 # Prompts the torch tests compare logits on: prose, a chat turn, code and digits.
 PROMPTS = [
@@ -58,6 +59,20 @@ def hf_model(hf_export_dir: Path) -> Any:
 
     return transformers.LlamaForCausalLM.from_pretrained(hf_export_dir,
                                                          dtype=torch.float32).eval()
+
+
+@contextlib.contextmanager
+def own_pool(model: Any) -> Iterator[None]:
+    """A KV pool of its own for a model's direct forward passes, so that an engine's cached
+    blocks stay as its KV manager knows them (the engine is idle between tests)."""
+    import torch
+
+    pool = model.kv_pool
+    model.allocate_kv(64 * 16, torch.float32)
+    try:
+        yield
+    finally:
+        model.kv_pool = pool
 
 
 def pack_words(values: Any, bits: int, dim: int, order: list[int] | None = None) -> Any:
