@@ -44,9 +44,22 @@ class Running:
     # A reasoning model's chat: where its reasoning starts and its budget (None: no split).
     thinking: Thinking | None = None
 
+    # The first parser made for the output (the stream's, or collect's), fed event by event:
+    # it counts the reasoning's tokens for the usage object.
+    counting: ReasoningParser | None = None
+
     def reasoning_parser(self) -> ReasoningParser | None:
         """A parser of this choice's reasoning and answer; None when the model has none."""
-        return None if self.thinking is None else self.thinking.parser()
+        if self.thinking is None:
+            return None
+        parser = self.thinking.parser()
+        if self.counting is None:
+            self.counting = parser
+        return parser
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return self.counting.reasoning_tokens if self.counting is not None else 0
 
     def release(self) -> None:
         """Cancel the sequence if still running and give the router its count back, once."""
@@ -299,7 +312,10 @@ async def collect(run: Running) -> Result:
     tokens: list[int] = []
     samples: list[Sample] = []
     prompt: list[Sample] = []
+    counting = run.reasoning_parser() if run.counting is None else None
     async for event in run.stream:
+        if counting is not None:
+            counting.feed(event.text, len(event.token_ids))
         parts.append(event.text)
         tokens += event.token_ids
         samples += event.samples
@@ -379,9 +395,14 @@ def usage(runs: Sequence[Running], n: int) -> dict[str, Any]:
     firsts = [r.stream.usage for r in runs[::n]]
     prompt = sum(u.prompt_tokens for u in firsts)
     completion = sum(r.stream.usage.completion_tokens for r in runs if not r.discard_output)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in firsts)}}
+    out: dict[str, Any] = {
+        "prompt_tokens": prompt, "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in firsts)}}
+    if any(r.thinking is not None for r in runs):  # a reasoning model's: its reasoning
+        out["completion_tokens_details"] = {
+            "reasoning_tokens": sum(r.reasoning_tokens for r in runs if not r.discard_output)}
+    return out
 
 
 def new_id(prefix: str) -> str:

@@ -60,7 +60,8 @@ def response_usage(usage: dict[str, Any]) -> dict[str, Any]:
             "input_tokens_details": {"cached_tokens":
                                      usage["prompt_tokens_details"]["cached_tokens"]},
             "output_tokens": usage["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": usage.get(
+                "completion_tokens_details", {}).get("reasoning_tokens", 0)},
             "total_tokens": usage["total_tokens"]}
 
 

@@ -53,10 +53,31 @@ def opened_by(prompt_text: str | None) -> bool:
 
 
 class _Split:
-    """What both parsers keep: the reasoning and the answer so far."""
+    """What both parsers keep: the reasoning and the answer so far, and the tokens the
+    model wrote inside its reasoning (``reasoning_tokens``: those of each fed piece that
+    began, stayed in or ended the reasoning and gave no answer text; the usage objects'
+    ``reasoning_tokens``)."""
 
     reasoning: str
     content: str
+    state: str
+    reasoning_tokens: int = 0
+    _reasoning_states: tuple[str, ...] = ()
+
+    def feed(self, text: str, tokens: int = 0) -> list[tuple[str, str]]:
+        """The next piece of text (``tokens``: how many tokens it came in) as ``(kind,
+        text)`` pairs, kind ``"reasoning"`` or ``"content"``."""
+        before = self.state
+        out = self._feed(text, tokens)
+        kinds = {kind for kind, _ in out}
+        if tokens and "content" not in kinds and (
+                "reasoning" in kinds or before in self._reasoning_states
+                or self.state in self._reasoning_states):
+            self.reasoning_tokens += tokens
+        return out
+
+    def _feed(self, text: str, tokens: int) -> list[tuple[str, str]]:
+        raise NotImplementedError
 
     def _say(self, out: list[tuple[str, str]], kind: str, text: str) -> None:
         if not text:
@@ -91,8 +112,10 @@ class ThinkParser(_Split):
         self.reasoning = ""  # all of it, for the whole answer
         self.content = ""
 
-    def feed(self, text: str, tokens: int = 0) -> list[tuple[str, str]]:
-        """``tokens``: how many tokens ``text`` came in (for the budget)."""
+    _reasoning_states = ("opened", "reasoning")
+
+    def _feed(self, text: str, tokens: int) -> list[tuple[str, str]]:
+        """``tokens`` count against the budget."""
         out: list[tuple[str, str]] = []
         text, self.held = self.held + text, ""
         if self.budget and self.state in ("opened", "reasoning") and tokens:
@@ -253,7 +276,9 @@ class HarmonyParser(_Split):
         self.reasoning = ""
         self.content = ""
 
-    def feed(self, text: str, tokens: int = 0) -> list[tuple[str, str]]:
+    _reasoning_states = ("analysis",)
+
+    def _feed(self, text: str, tokens: int) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []
         text, self.held = self.held + text, ""
         while text:

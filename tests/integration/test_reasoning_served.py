@@ -95,6 +95,41 @@ def test_a_response_format_holds_the_answer_after_a_budgeted_reasoning(
     assert streamed(server, **fields) == (reasoning, answer)
 
 
+def usage_of(server: ServerProcess, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = httpx.post(f"{server.url}{path}", timeout=120, json=body)
+    assert r.status_code == 200, r.text
+    return r.json()  # type: ignore[no-any-return]
+
+
+def test_the_usage_counts_the_reasoning_tokens(server: ServerProcess) -> None:
+    """completion_tokens_details.reasoning_tokens (chat) and output_tokens_details
+    (responses): every token of an output that stays reasoning; of a budgeted reasoning
+    and its JSON answer, the reasoning's tokens (its closing markup included), whole and
+    streamed alike."""
+    all_reasoning = usage_of(server, "/v1/chat/completions", {
+        "model": "r1", "messages": ASK, "max_tokens": 12, "temperature": 0})["usage"]
+    assert all_reasoning["completion_tokens_details"]["reasoning_tokens"] == \
+        all_reasoning["completion_tokens"] == 12
+    fields = {"model": "r1", "messages": ASK, "max_tokens": 60, "temperature": 0,
+              "max_reasoning_tokens": 10, "response_format": JSON_FORMAT}
+    body = usage_of(server, "/v1/chat/completions", fields)
+    usage, message = body["usage"], body["choices"][0]["message"]
+    counted = usage["completion_tokens_details"]["reasoning_tokens"]
+    assert tokens(server, message["reasoning_content"]) <= counted <= \
+        tokens(server, message["reasoning_content"]) + 4, (counted, message)
+    assert counted < usage["completion_tokens"]
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=120, json={
+            **fields, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    assert chunks[-1]["usage"] == usage
+    responses = usage_of(server, "/v1/responses", {
+        "model": "r1", "input": ASK[0]["content"], "max_output_tokens": 12,
+        "temperature": 0})["usage"]
+    assert responses["output_tokens_details"]["reasoning_tokens"] == \
+        responses["output_tokens"] == 12
+
+
 def test_the_template_hears_chat_template_kwargs(server: ServerProcess) -> None:
     off = chat(server, model="q3", max_tokens=40, response_format=JSON_FORMAT,
                chat_template_kwargs={"enable_thinking": False})["message"]
