@@ -41,10 +41,12 @@ $(STAMP): pyproject.toml plugins/backend_llamacpp/pyproject.toml plugins/backend
 	@echo "laya: installing into $(VENV). The first install compiles llama.cpp from source" \
 	  "(llama-cpp-python): about 8 minutes on 2 cores; pip keeps the wheel for next time."
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch pinned first, before anything that depends on it (auto-round, accelerate, peft
+	# in the test extras): its CPU build. An unpinned torch pulls a CUDA build and 3.2 GB of
+	# nvidia libraries, which stayed on disk after the pin replaced torch.
+	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(call pip_compiling,llama.cpp,-e '.[test]' -e plugins/backend_llamacpp)
 	$(call pip_compiling,the C++ router,./plugins/router_nanobind)
-	# torch pinned first: its CPU build (an unpinned torch pulls a multi-GB CUDA build).
-	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e plugins/backend_torch
 	# gptqmodel, the reference the quantized-checkpoint tests read GPTQ and AWQ folders with
 	# (tests/quantized_folders.py), in a folder of its own and without its dependencies: it
