@@ -15,8 +15,9 @@ The child compiles on a thread with a ``stack_bytes`` stack (4 MiB), the replica
 four times that (:mod:`laya_core.structured.compiler`): the same grammar recurses as deep in
 both. It answers with the grammar to compile (converted, for GBNF), the bytes the matcher
 holds after the walk (glibc's count of allocated bytes, before and after), and the slowest
-mask of the walk after the first. Callers block while it works: call :meth:`check` from a
-worker thread.
+mask of the walk after the first, in the thread's CPU time (a busy machine makes the niced
+child wait, not the grammar cost more). Callers block while it works: call :meth:`check`
+from a worker thread.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class CompileLimits:
     timeout_s: float = 5.0  # converting, compiling and the walk's masks
     memory_bytes: int = 48 * 2**20  # address space one check may add to the child
     max_grammar_bytes: int = 16 * 2**20  # what the matcher may hold after the walk
-    max_mask_s: float = 0.05  # the walk's slowest mask after the first
+    max_mask_s: float = 0.05  # the walk's slowest mask after the first, in CPU time
     first_masks: int = 8
     stack_bytes: int = 4 * 2**20
     nice: int = 10  # added to the child's and the compile thread's: generation goes first

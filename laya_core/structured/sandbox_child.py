@@ -77,14 +77,18 @@ def _refusal(matcher: llguidance.LLMatcher) -> dict[str, Any]:
 
 def _walk(matcher: llguidance.LLMatcher, job: dict[str, Any]) -> dict[str, Any] | float:
     """The first masks along a walk of allowed tokens (the same walk each time): the
-    slowest after the first, or the refusal when one fails."""
+    slowest after the first, or the refusal when one fails.
+
+    A mask is timed in this thread's CPU time, not the wall clock's: the child runs niced
+    beside generation, and on a busy machine it waits for a core longer than it computes,
+    which says nothing about what the grammar will cost a replica's step."""
     rnd = random.Random(0)
     eos, slowest = set(job["eos"]), 0.0
     for step in range(job["first_masks"]):
-        start = time.perf_counter()
+        start = time.thread_time()
         mask = matcher.compute_bitmask()
         if step:
-            slowest = max(slowest, time.perf_counter() - start)
+            slowest = max(slowest, time.thread_time() - start)
         if matcher.is_error():
             return _refusal(matcher)
         token = _pick(mask, (job["n_vocab"] + 31) // 32, eos, rnd)

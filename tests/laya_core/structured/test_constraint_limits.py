@@ -191,3 +191,40 @@ def test_the_cache_is_bounded_in_bytes() -> None:
         assert compiler.compiled == compiled + 1
     finally:
         compiler.close()
+
+
+class _WaitingMatcher:
+    """A matcher whose masks wait ``wait_s`` off the CPU, then burn ``burn_s`` on it,
+    allowing every token."""
+
+    def __init__(self, wait_s: float, burn_s: float) -> None:
+        self.wait_s, self.burn_s = wait_s, burn_s
+
+    def compute_bitmask(self) -> bytes:
+        import time
+
+        time.sleep(self.wait_s)
+        end = time.thread_time() + self.burn_s
+        while time.thread_time() < end:
+            pass
+        return b"\xff" * 36
+
+    def is_error(self) -> bool:
+        return False
+
+    def consume_token(self, token: int) -> None:
+        pass
+
+
+def test_a_mask_is_timed_on_the_cpu_not_the_wall_clock() -> None:
+    """The child is niced: on a busy machine it waits for a core. Waiting is not the
+    grammar's cost, and must not refuse it (a 66 ms wait refused a one-tool grammar
+    whose masks take 1 ms)."""
+    from laya_core.structured import sandbox_child
+
+    job = {"eos": [END], "first_masks": 3, "n_vocab": 257}
+    waited = sandbox_child._walk(_WaitingMatcher(0.12, 0.0), job)  # type: ignore[arg-type]
+    burned = sandbox_child._walk(_WaitingMatcher(0.0, 0.12), job)  # type: ignore[arg-type]
+    assert isinstance(waited, float) and isinstance(burned, float)
+    limit = CompileLimits().max_mask_s
+    assert waited < limit < burned
