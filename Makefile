@@ -55,6 +55,17 @@ $(STAMP): pyproject.toml plugins/backend_llamacpp/pyproject.toml plugins/backend
 	$(BIN)/python -m pip install --quiet --no-deps --target $(VENV)/gptqmodel-ref \
 		gptqmodel==7.6.0 torchao==0.18.0 device-smi==0.5.7 pypcre==0.6.4 tokenicer==0.0.14 \
 		logbar==0.4.15 defuser==0.0.28 threadpoolctl==3.8.0
+	# llama.cpp's convert_lora_to_gguf.py, with the conversion package and gguf-py it imports,
+	# from the sources of the llama-cpp-python installed above (pip keeps the download): the
+	# llama.cpp LoRA tests turn PEFT adapters into GGUF with it (tests/lora_adapters.py).
+	rm -rf $(VENV)/llama.cpp-convert $(VENV)/llama-sdist
+	$(BIN)/python -m pip download --quiet --no-deps --no-binary :all: -d $(VENV)/llama-sdist \
+		llama-cpp-python==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("llama-cpp-python"))')
+	mkdir -p $(VENV)/llama.cpp-convert
+	tar xzf $(VENV)/llama-sdist/llama_cpp_python-*.tar.gz -C $(VENV)/llama.cpp-convert \
+		--strip-components=3 --wildcards '*/vendor/llama.cpp/convert_lora_to_gguf.py' \
+		'*/vendor/llama.cpp/conversion/*' '*/vendor/llama.cpp/gguf-py/*'
+	rm -rf $(VENV)/llama-sdist
 	# The example plugins, installed as an outside author's package is (not editable).
 	$(BIN)/python -m pip install --quiet ./examples/laya-priority-scheduler ./examples/laya-random-router \
 		./examples/laya-backend-openai

@@ -66,8 +66,9 @@ class ModelConfig:
     max_reasoning_tokens: int | None = None
     # Speculative decoding (laya_core/engine/speculative.py); None: off.
     speculative: SpeculativeConfig | None = None
-    # LoRA adapters served beside the base model: name -> PEFT folder
-    # (laya_core/models/lora.py). A request names one as its ``model``.
+    # LoRA adapters served beside the base model: name -> the adapter in the backend's
+    # format (Backend.read_adapter: a PEFT folder, or llama.cpp's GGUF file). A request
+    # names one as its ``model``.
     lora: dict[str, str] = attrs.field(factory=dict)
     # Adapters loaded at once, those of ``lora`` and those loaded while serving
     # (POST /v1/load_lora_adapter); None: as many as ``lora`` lists. The plan holds room
@@ -224,6 +225,9 @@ class Backend(abc.ABC):
     # (``SamplingParams.lora``): it loads each one with its weights and counts it in
     # ``memory_profile``.
     supports_lora: ClassVar[bool] = False
+    # The adapter format ``read_adapter`` reads: "peft" (a folder) or "gguf" (llama.cpp's
+    # one file); the conformance kit writes its test adapters in it.
+    lora_format: ClassVar[str] = "peft"
     # Whether the replica compiles structured output's constraints (response_format, tools,
     # guided decoding) with laya_core.structured: a step-level backend does (the core masks
     # its sampling), and the memory plan counts the grammars' memory; an engine-level
@@ -290,6 +294,16 @@ class Backend(abc.ABC):
         from laya_core.models.files import read_shape
 
         return read_shape(path, cls.check_model_metadata)
+
+    @classmethod
+    def read_adapter(cls, path: str, base: ModelShape | None) -> Any:
+        """The LoRA adapter at ``path`` (a ``laya_core.models.lora.Adapter``), checked from
+        its headers against the model's shape ``base`` (None: not checked); raises
+        ``AdapterError`` naming the field or tensor. The default reads a PEFT folder; a
+        backend that loads another format reads it here (llama.cpp: a GGUF file)."""
+        from laya_core.models.lora import read_adapter
+
+        return read_adapter(path, base)
 
     @classmethod
     def check_option(cls, name: str, value: object) -> str | None:
@@ -368,7 +382,7 @@ class Backend(abc.ABC):
         KV of its stream)."""
 
     def load_adapter(self, name: str, path: str) -> None:
-        """Load the LoRA adapter in the PEFT folder ``path`` as ``name`` while serving
+        """Load the LoRA adapter at ``path`` (read_adapter's format) as ``name`` while serving
         (``POST /v1/load_lora_adapter``; only asked of a backend with ``supports_lora``,
         between two steps). The front end has read and checked the folder's headers
         against the model and kept its bytes within the plan (``max_loras``,

@@ -142,9 +142,15 @@ SETTINGS = (
             "named after its file, and those copied in later; the model flags apply to each",
             group="model"),
     Setting(("--lora",), "LAYA_LORA", "model", "lora", _lora_pairs, metavar="NAME=PATH",
-            help="serve a LoRA adapter (a PEFT folder) as model NAME beside the model; "
-            "repeat for more (the variable: comma-separated). The torch backend applies them",
+            help="serve a LoRA adapter as model NAME beside the model: a PEFT folder (torch) "
+            "or a GGUF LoRA file (llamacpp); repeat for more (the variable: comma-separated)",
             many=True, combine=dict),
+    Setting(("--max-loras",), "LAYA_MAX_LORAS", "model", "max_loras", _int,
+            help="LoRA adapters loaded at once, those of --lora and those loaded while "
+            "serving (POST /v1/load_lora_adapter); the plan holds room for each"),
+    Setting(("--max-lora-rank",), "LAYA_MAX_LORA_RANK", "model", "max_lora_rank", _int,
+            help="the largest rank of an adapter loaded while serving (default: the "
+            "largest of --lora, else 16)"),
     Setting(("--memory-budget",), "LAYA_MEMORY_BUDGET", "memory", "budget", metavar="SIZE",
             help="memory the deployment may use: 'auto' or a size such as 12GiB",
             group="memory"),

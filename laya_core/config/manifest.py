@@ -180,15 +180,16 @@ def _speculative(data: Any, where: str, problems: Problems) -> SpeculativeConfig
 
 def _lora(data: dict[str, Any], where: str, base_dir: Path,
           problems: Problems) -> dict[str, str]:
-    """A model's ``lora`` table: adapter name -> PEFT folder (relative to the manifest).
-    The folders are checked against the model in resolve()."""
+    """A model's ``lora`` table: adapter name -> PEFT folder or GGUF LoRA file (relative to
+    the manifest). The adapters are checked against the model in resolve()."""
     out = {}
     for name, path in data.items():
         key = f"{where}.{name}"
         if (problem := _name_problem(name)) is not None:
             problems.add(key, f"an adapter's name is what requests send as 'model': {problem}")
         elif not isinstance(path, str) or not path:
-            problems.add(key, f"must be the path of a PEFT LoRA folder, got {path!r}")
+            problems.add(key, "must be the path of a LoRA adapter (a PEFT folder, or a GGUF "
+                         f"file for llamacpp), got {path!r}")
         else:
             p = Path(path).expanduser()
             out[name] = str(p if p.is_absolute() else base_dir / p)

@@ -113,7 +113,7 @@ def resolve_model(m: ModelConfig, i: int, registry: Any, need_backends: bool,
     if backend and lora_keys and not backend.obj.supports_lora:
         problems.add(f"models[{i}].{lora_keys[0]}", f"the {m.backend} backend does not "
                      "apply LoRA adapters; remove the key, or serve the model with a backend "
-                     "that does (torch)")
+                     "that does (torch, llamacpp)")
     if backend and need_backends:
         _check_options(backend.obj, m, i, problems)
         _check_layout(backend.obj, m, i, registry, problems)
@@ -132,8 +132,8 @@ def resolve_model(m: ModelConfig, i: int, registry: Any, need_backends: bool,
 
 def _check_adapters(backend_cls: Any, m: ModelConfig, path: str, i: int,
                     problems: Problems) -> None:
-    """Each LoRA folder reads as an adapter of this model's shape."""
-    from laya_core.models.lora import AdapterError, read_adapter
+    """Each LoRA adapter reads as one of this model's shape, in the backend's format."""
+    from laya_core.models.lora import AdapterError
 
     try:
         shape = backend_cls.model_shape(path)
@@ -141,7 +141,7 @@ def _check_adapters(backend_cls: Any, m: ModelConfig, path: str, i: int,
         shape = None  # the path's own problem is said where the plan reads it
     for name, folder in m.lora.items():
         try:
-            adapter = read_adapter(folder, shape)
+            adapter = backend_cls.read_adapter(folder, shape)
         except AdapterError as e:
             problems.add(f"models[{i}].lora.{name}", str(e))
             continue

@@ -3,7 +3,8 @@
 The front end asks through :meth:`Engine.adapter`, which queues an :class:`AdapterJob` in the
 engine's inbox (so a request submitted before the job is known to the engine before it).
 A load runs between two steps (``Backend.load_adapter``). An unload waits until no request
-of this replica uses the adapter, running or waiting, and then runs between two steps
+of this replica uses the adapter, running or waiting, then has the cache policy forget the
+KV computed under it (``KVCache.forget_adapter``), and runs between two steps
 (``Backend.unload_adapter``); the front end stops routing requests to the adapter first.
 """
 
@@ -26,7 +27,7 @@ OPS = ("load", "unload")
 class AdapterJob:
     op: str  # one of OPS
     name: str
-    path: str | None  # the PEFT folder, for a load
+    path: str | None  # the adapter (the backend's format), for a load
     done: concurrent.futures.Future[None] = attrs.field(factory=concurrent.futures.Future)
 
 
@@ -50,6 +51,7 @@ class AdapterJobs:
         used = {live.seq.params.lora for live in engine.live_requests()}
         for job in [j for j in self._unloads if j.name not in used]:
             self._unloads.remove(job)
+            engine.forget_adapter_kv(job.name)
             _run(job, functools.partial(engine.backend.unload_adapter, job.name))
 
     def fail_all(self, error: Exception) -> None:

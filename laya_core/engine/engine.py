@@ -196,7 +196,7 @@ class Engine:
         self._inbox.put(seq_id)
 
     def adapter(self, op: str, name: str, path: str | None = None) -> Future[None]:
-        """Load (``op`` "load", from the PEFT folder ``path``) or unload a LoRA adapter on
+        """Load (``op`` "load", from the adapter at ``path``) or unload a LoRA adapter on
         the engine thread; an unload waits for the requests using it
         (laya_core/engine/adapters.py). Any thread may call this."""
         job = AdapterJob(op, name, path)
@@ -402,6 +402,13 @@ class Engine:
         if seq.num_cached_tokens:
             self.prefix_hits += 1
             self.prefix_tokens_reused += seq.num_cached_tokens
+
+    def forget_adapter_kv(self, name: str) -> None:
+        """The cache policy forgets the KV computed under LoRA adapter ``name``, and the
+        backend drops it now (an unload follows; laya_core/engine/adapters.py)."""
+        assert self.scheduler is not None
+        self.scheduler.kv.forget_adapter(name)
+        self._apply(self.scheduler.kv.take_ops())
 
     def _apply(self, ops: tuple[KVOp, ...]) -> None:
         for op in ops:

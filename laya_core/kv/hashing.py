@@ -16,13 +16,16 @@ from collections.abc import Sequence
 BLOCK_SIZE = 16  # tokens per KV block, and per hashed prompt block
 
 
-def cache_salt(lora: str | None) -> int | None:
+def cache_salt(lora: str | None, unloads: int = 0) -> int | None:
     """Where a sequence's hash chain starts: None for the base model; for a LoRA adapter, a
     digest of its name, so that no block's KV is shared between the base model and an
-    adapter or between two adapters (the same tokens give other K and V through each)."""
+    adapter or between two adapters (the same tokens give other K and V through each), and
+    of how often that name was unloaded, so that an adapter loaded again under the name
+    never finds its predecessor's KV."""
     if lora is None:
         return None
-    digest = hashlib.blake2b(b"lora\0" + lora.encode(), digest_size=8).digest()
+    tail = b"" if not unloads else b"\0" + str(unloads).encode()
+    digest = hashlib.blake2b(b"lora\0" + lora.encode() + tail, digest_size=8).digest()
     return int.from_bytes(digest, "little")
 
 

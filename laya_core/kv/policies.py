@@ -116,6 +116,12 @@ class KVCache(abc.ABC):
     def before_step(self) -> None:  # noqa: B027 - optional
         """Called once a step after admission: a policy may rearrange the pool."""
 
+    @abc.abstractmethod
+    def forget_adapter(self, name: str) -> None:
+        """LoRA adapter ``name`` is being unloaded (no running sequence uses it): KV computed
+        under it must never be reused, even by an adapter loaded later under that name. The
+        ops it records run before the backend unloads the adapter."""
+
     def computed(self, seq: Request) -> None:  # noqa: B027 - optional
         """``seq.num_computed`` grew: its new KV exists."""
 
@@ -168,6 +174,16 @@ class PagedKVCache(KVCache):
         super().__init__(num_tokens, max_num_seqs, prefix_caching, block_size)
         self.blocks = KVManager(self.num_blocks, block_size)
         self._num_running = 0
+        self._loads: dict[str, int] = {}  # adapter name -> times it was unloaded
+
+    def _salt(self, seq: Request) -> int | None:
+        lora = seq.params.lora
+        return cache_salt(lora, self._loads.get(lora, 0)) if lora is not None else None
+
+    def forget_adapter(self, name: str) -> None:
+        """Blocks cached under ``name`` stay until their room is needed, but its later loads
+        hash from another salt, so they never match."""
+        self._loads[name] = self._loads.get(name, 0) + 1
 
     @property
     def num_used_blocks(self) -> int:
@@ -180,12 +196,12 @@ class PagedKVCache(KVCache):
     def can_admit(self, seq: Request) -> bool:
         return self._num_running < self.max_num_seqs and self.blocks.can_allocate(
             seq.prompt_token_ids, seq.max_total_tokens,
-            max_reuse_tokens(seq, self.prefix_caching), cache_salt(seq.params.lora))
+            max_reuse_tokens(seq, self.prefix_caching), self._salt(seq))
 
     def admit(self, seq: Request) -> None:
         hit = self.blocks.allocate(seq.seq_id, seq.prompt_token_ids, seq.max_total_tokens,
                                    max_reuse_tokens(seq, self.prefix_caching),
-                                   cache_salt(seq.params.lora))
+                                   self._salt(seq))
         seq.num_computed = seq.num_cached_tokens = hit
         self._num_running += 1
         self._ops.append(StartSequence(seq.seq_id, seq.params))

@@ -1,4 +1,5 @@
-"""LoRA adapters in PEFT's folder format, read and checked from their headers.
+"""LoRA adapters in PEFT's folder format and llama.cpp's GGUF file, read and checked from
+their headers.
 
 A PEFT adapter folder holds ``adapter_config.json`` (the rank ``r``, ``lora_alpha``, the
 target modules) and ``adapter_model.safetensors``: for each adapted linear layer of the base
@@ -9,7 +10,9 @@ model, ``...layers.{i}.{self_attn|mlp}.{name}.lora_A.weight`` of shape [r, in] a
 :func:`read_adapter` checks a folder against the base model's shape before anything loads
 (names, ranks, shapes, and that the file holds every byte its header promises) and says what
 is wrong naming the field or the tensor; a backend prices what it holds of it in the memory
-plan. Nothing here imports torch: backends read the tensors themselves.
+plan. :func:`read_gguf_adapter` does the same for the one-file GGUF adapters llama.cpp loads
+(``blk.{i}.attn_q.weight.lora_a`` ..., written by llama.cpp's ``convert_lora_to_gguf.py``
+from a PEFT folder). Nothing here imports torch: backends read the tensors themselves.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class AdapterTensor:
     shape: tuple[int, ...]
     dtype: str
     name: str  # as stored
+    nbytes: int = 0  # as stored
 
 
 @attrs.frozen
@@ -68,6 +72,11 @@ class Adapter:
     @property
     def num_elements(self) -> int:
         return sum(math.prod(t.shape) for t in self.tensors)
+
+    @property
+    def nbytes(self) -> int:
+        """The matrices' bytes as the file stores them."""
+        return sum(t.nbytes for t in self.tensors)
 
 
 def rank_limit(max_lora_rank: int | None, ranks: list[int]) -> int:
@@ -180,7 +189,7 @@ def _tensors(header: dict[str, Any], path: Path) -> list[AdapterTensor]:
             raise AdapterError(f"{path}: tensor {name!r}'s data is {end - start} bytes, its "
                                f"shape {shape} in {dtype} needs "
                                f"{math.prod(shape) * _DTYPE_BYTES[dtype]}")
-        out.append(AdapterTensor(layer, module, part, tuple(shape), dtype, name))
+        out.append(AdapterTensor(layer, module, part, tuple(shape), dtype, name, end - start))
     if not out:
         raise AdapterError(f"{path} holds no LoRA matrices")
     return out
@@ -198,8 +207,8 @@ def _io_sizes(shape: ModelShape) -> dict[str, tuple[int | None, int | None]]:
 
 
 def read_adapter(folder: str | Path, base: ModelShape | None = None) -> Adapter:
-    """The adapter in ``folder``, checked (against ``base`` where given); AdapterError says
-    what is wrong, naming the field or tensor."""
+    """The PEFT adapter in ``folder``, checked (against ``base`` where given); AdapterError
+    says what is wrong, naming the field or tensor."""
     folder = Path(folder)
     if not folder.is_dir():
         raise AdapterError(f"no such folder: {folder} (a PEFT LoRA adapter is a folder with "
@@ -208,6 +217,13 @@ def read_adapter(folder: str | Path, base: ModelShape | None = None) -> Adapter:
     path = folder / WEIGHTS_FILE
     header, _ = _header(path)
     tensors = _tensors(header, path)
+    return _checked(folder, path, rank, alpha, scale, tensors, base)
+
+
+def _checked(where_from: Path, path: Path, rank: int, alpha: float, scale: float,
+             tensors: list[AdapterTensor], base: ModelShape | None) -> Adapter:
+    """The adapter of ``tensors`` (A as [r, in], B as [out, r]) once each module has both
+    matrices at ``rank`` and, with ``base``, the base model's sizes."""
     pairs: dict[tuple[int, str], dict[str, AdapterTensor]] = {}
     for t in tensors:
         pairs.setdefault((t.layer, t.module), {})[t.part] = t
@@ -237,5 +253,74 @@ def read_adapter(folder: str | Path, base: ModelShape | None = None) -> Adapter:
     if len(inter) > 1:
         raise AdapterError(f"{path}: the MLP modules disagree on the intermediate size "
                            f"({sorted(inter)})")
-    return Adapter(folder, rank, alpha, scale, frozenset(m for _, m in pairs),
+    return Adapter(where_from, rank, alpha, scale, frozenset(m for _, m in pairs),
                    tuple(tensors))
+
+
+# llama.cpp's names of the modules (convert_lora_to_gguf.py writes them).
+_GGUF_MODULES = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj",
+                 "attn_output": "o_proj", "ffn_gate": "gate_proj", "ffn_up": "up_proj",
+                 "ffn_down": "down_proj"}
+_GGUF_TENSOR_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.weight\.lora_([ab])$")
+_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0")
+
+
+def read_gguf_adapter(path: str | Path, base: ModelShape | None = None) -> Adapter:
+    """The llama.cpp LoRA adapter in the GGUF file ``path`` (as llama.cpp's
+    ``convert_lora_to_gguf.py`` writes it), checked from its header (against ``base`` where
+    given); AdapterError says what is wrong, naming the key or tensor.
+
+    Its scale is llama.cpp's: ``adapter.lora.alpha / r``, or 1 where the file gives no alpha
+    (or 0)."""
+    from laya_core.models.checks import ModelFileError
+    from laya_core.models.gguf_header import read_gguf_header
+
+    path = Path(path)
+    if path.is_dir():
+        if (path / CONFIG_FILE).exists():
+            raise AdapterError(f"{path} is a PEFT folder; the llamacpp backend takes a GGUF "
+                               "LoRA file: convert it with llama.cpp's convert_lora_to_gguf.py "
+                               "(--base: the base model's Hugging Face folder)")
+        raise AdapterError(f"{path} is a folder; a llama.cpp LoRA adapter is one .gguf file")
+    try:
+        header = read_gguf_header(path, keep_items=64)
+    except FileNotFoundError:
+        raise AdapterError(f"no such file: {path}") from None
+    except (ModelFileError, OSError, ValueError) as e:
+        raise AdapterError(f"{path}: {e}") from None
+    meta = header.metadata
+    for key, want in (("general.type", "adapter"), ("adapter.type", "lora")):
+        if meta.get(key) != want:
+            raise AdapterError(f"{path}: {key} is {meta.get(key)!r}, not {want!r}: the file "
+                               "is no LoRA adapter (a model file is loaded as a model)")
+    if any(k.startswith("adapter.alora.") for k in meta):
+        raise AdapterError(f"{path}: adapter.alora.invocation_tokens is set; activated LoRA "
+                           "adapters are not served")
+    alpha = meta.get("adapter.lora.alpha", 0.0)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or \
+            not math.isfinite(alpha):
+        raise AdapterError(f"{path}: adapter.lora.alpha must be a number, got {alpha!r}")
+    tensors = []
+    for t in header.tensors:
+        m = _GGUF_TENSOR_RE.match(t.name)
+        if m is None or m[2] not in _GGUF_MODULES:
+            raise AdapterError(f"{path}: tensor {t.name!r} is no LoRA matrix of a decoder "
+                               f"layer's linear module (blk.N.{{{','.join(_GGUF_MODULES)}}}."
+                               "weight.lora_a|lora_b)")
+        if t.type.name not in _GGUF_TYPES:
+            raise AdapterError(f"{path}: tensor {t.name!r} is {t.type.name}; adapters in "
+                               f"{', '.join(_GGUF_TYPES)} are read")
+        if len(t.dims) != 2:
+            raise AdapterError(f"{path}: tensor {t.name!r} has {len(t.dims)} dimensions; "
+                               "LoRA matrices have 2")
+        # ggml order is numpy's reversed: A is [r, in] and B [out, r] as in PEFT.
+        tensors.append(AdapterTensor(int(m[1]), _GGUF_MODULES[m[2]], m[3].upper(),
+                                     (t.dims[1], t.dims[0]), t.type.name, t.name, t.nbytes))
+    if not tensors:
+        raise AdapterError(f"{path} holds no LoRA matrices")
+    rank = next(t.shape[0] for t in tensors if t.part == "A") \
+        if any(t.part == "A" for t in tensors) else tensors[0].shape[1]
+    if not 1 <= rank <= MAX_RANK:
+        raise AdapterError(f"{path}: rank {rank}; ranks from 1 to {MAX_RANK} are served")
+    scale = float(alpha) / rank if alpha else 1.0
+    return _checked(path, path, rank, float(alpha), scale, tensors, base)

@@ -27,7 +27,7 @@ from laya_core.engine.state import EngineState
 from laya_core.logs import resident_bytes
 from laya_core.memory.ledger import Plan
 from laya_core.models.checks import ModelFileError
-from laya_core.models.lora import AdapterError, rank_limit, read_adapter
+from laya_core.models.lora import AdapterError, rank_limit
 from laya_core.plugins import Registry
 from laya_core.replica.client import EngineClient, LocalEngineClient, ReplicaSnapshot
 from laya_core.replica.engine_backend import EngineBackendClient
@@ -116,7 +116,7 @@ class Deployment:
         # LoRA adapters' names -> the model each adapts (ModelConfig.lora): a request naming
         # an adapter runs on its model, with it.
         self.adapters: dict[str, str] = {}
-        self.adapter_paths: dict[str, str] = {}  # each adapter's PEFT folder
+        self.adapter_paths: dict[str, str] = {}  # each adapter's path
         # Tokens per KV block of each model's backend (Backend.block_size), known before
         # any replica loads: the router's prefix hashes and /live's blocks count in them.
         self.block_sizes: dict[str, int] = {}
@@ -166,17 +166,18 @@ class Deployment:
         self.models = {**self.models, config.name: config}
 
     def check_adapter(self, model: str, path: str) -> None:
-        """Whether the PEFT folder ``path`` may be loaded on ``model`` now: an adapter of its
-        shape (else AdapterError), of a rank the plan holds room for (``max_lora_rank``),
+        """Whether the adapter at ``path`` may be loaded on ``model`` now: an adapter of its
+        shape in its backend's format (else AdapterError), of a rank the plan holds room for (``max_lora_rank``),
         with fewer than ``max_loras`` loaded (else AdapterRoomError). Reads headers only."""
         config = self.models[model]
+        backend = self.registry.backends[config.backend].obj
         try:
-            shape = self.registry.backends[config.backend].obj.model_shape(config.path)
+            shape = backend.model_shape(config.path)
         except (ModelFileError, OSError, ValueError) as e:
             raise AdapterError(f"the model's shape could not be read: {e}") from None
-        adapter = read_adapter(path, shape)
+        adapter = backend.read_adapter(path, shape)
         limit = rank_limit(config.max_lora_rank,
-                           [read_adapter(p).rank for p in config.lora.values()])
+                           [backend.read_adapter(p, None).rank for p in config.lora.values()])
         if adapter.rank > limit:
             raise AdapterError(f"the adapter's rank {adapter.rank} is above max_lora_rank "
                                f"({limit}), which the memory plan holds room for")

@@ -133,9 +133,10 @@ def _replica_of(registry: Registry, model: dict[str, Any], what: str) -> Iterato
 def laya_lora_engine(laya_registry: Registry, laya_model: dict[str, Any], laya_engine: Engine,
                      tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     """A second replica of the model under test with three LoRA adapters of random
-    matrices (laya_core/testing/adapters.py): ``a`` and ``b``, and ``zero``, ``a``'s
-    matrices with lora_alpha 0; for a backend that says ``supports_lora``, and skipped,
-    saying so, for one that does not (a backend is not required to apply adapters)."""
+    matrices (laya_core/testing/adapters.py), in the backend's ``lora_format``: ``a`` and
+    ``b``, and ``zero``, ``a``'s A matrices with B = 0; for a backend that says
+    ``supports_lora``, and skipped, saying so, for one that does not (a backend is not
+    required to apply adapters)."""
     from laya_core.testing.adapters import random_adapter
 
     backend = type(laya_engine.backend)
@@ -144,9 +145,10 @@ def laya_lora_engine(laya_registry: Registry, laya_model: dict[str, Any], laya_e
                     "(supports_lora is False)")
     shape = backend.model_shape(laya_engine.config.path)
     folder = tmp_path_factory.mktemp("laya-lora")
-    lora = {"a": random_adapter(folder / "a", shape, seed=1),
-            "b": random_adapter(folder / "b", shape, seed=2),
-            "zero": random_adapter(folder / "zero", shape, seed=1, alpha=0.0)}
+    fmt = backend.lora_format
+    lora = {"a": random_adapter(folder / "a", shape, seed=1, fmt=fmt),
+            "b": random_adapter(folder / "b", shape, seed=2, fmt=fmt),
+            "zero": random_adapter(folder / "zero", shape, seed=1, zero=True, fmt=fmt)}
     yield from _replica_of(laya_registry, {
         **laya_model, "name": "under-test-lora",
         "lora": {name: str(path) for name, path in lora.items()}}, "with adapters")

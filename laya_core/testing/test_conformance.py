@@ -310,8 +310,8 @@ def test_speculative_decoding_gives_the_tokens_of_a_plain_run(
 
 def test_lora_adapters_apply_per_sequence_and_keep_their_kv_apart(
         laya_engine: Engine, laya_lora_engine: Engine) -> None:
-    """Three adapters of random matrices (``laya_lora_engine``): ``zero`` (lora_alpha 0)
-    answers as the base model; ``a`` and ``b`` answer otherwise; a batch mixing the base
+    """Three adapters of random matrices (``laya_lora_engine``): ``zero`` (B = 0) answers
+    as the base model; ``a`` and ``b`` answer otherwise; a batch mixing the base
     model and the three gives each sequence what it gets alone; and a prompt cached under
     one of them gives the others nothing from the prefix cache."""
     lora = laya_lora_engine

@@ -412,3 +412,37 @@ def test_a_failed_save_is_forgotten_and_a_failed_restore_fails_only_its_request(
     assert ask_streams(engine, second + b" once more")[2] is None
     assert engine.state.name == "READY" and engine.kv_usage == 0.0
     engine.stop()
+
+
+def lora_seq(i: int, prompt: list[int], adapter: str | None) -> Request:
+    return Request(i, prompt, SamplingParams(4, lora=adapter),
+                   min_last_chunk=LlamaCppBackend.min_last_prompt_chunk)
+
+
+def test_kv_of_one_adapter_is_reused_by_that_adapter_alone_and_forgotten_at_unload() -> None:
+    """The same prompt under the base model and two adapters: each finds only the stream its
+    own adapter computed; unloading an adapter drops its retained stream (unsaved), so one
+    loaded later under its name starts cold."""
+    s = scheduler(4, 64, 512)
+    kv = kv_of(s)
+    prompt = list(range(100, 140))
+    for i, adapter in enumerate(("a", None)):
+        first = lora_seq(i, prompt, adapter)
+        s.add(first)
+        run_to_end(s)
+        s.finish(first, retain=True)
+    held = {kv.prefix.adapter(slot) for slot in kv.prefix.slots()}
+    assert held == {"a", None}  # the base did not dedupe the adapter's stream, nor reuse it
+    for i, adapter, reused in ((2, "b", 0), (3, "a", 40), (4, None, 40)):
+        again = lora_seq(i, [*prompt, 7, 8], adapter)
+        s.add(again)
+        run_to_end(s)
+        assert again.num_cached_tokens == reused, adapter
+        s.finish(again, retain=True)
+    (a_slot,) = [slot for slot in kv.prefix.slots() if kv.prefix.adapter(slot) == "a"]
+    kv.forget_adapter("a")
+    assert kv.take_ops() == (DropStream(a_slot),) and a_slot not in kv.prefix
+    cold = lora_seq(5, [*prompt, 7, 8], "a")
+    s.add(cold)
+    run_to_end(s)
+    assert cold.num_cached_tokens == 0

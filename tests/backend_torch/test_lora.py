@@ -24,7 +24,7 @@ from conftest import ServerProcess
 from laya_backend_torch.backend import TorchBackend
 from laya_backend_torch.lora import rows_by_adapter
 from laya_backend_torch.model import build_batch
-from lora_adapters import ANSWER, chat, scaled, train
+from lora_adapters import ANSWER, cached_adapters, chat, scaled
 from torch_fixtures import *  # noqa: F403 - the fixtures (torch_fixtures.py)
 from torch_fixtures import own_pool
 
@@ -51,10 +51,10 @@ LONG = ("Here is a long story about a lighthouse keeper who counted ships every 
 
 
 @pytest.fixture(scope="module")
-def adapters(hf_export_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    folder = tmp_path_factory.mktemp("lora")
-    pirate = train(hf_export_dir, folder / "pirate")
-    return {"pirate": pirate, "zero": scaled(pirate, folder / "zero", 0.0)}
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    pirate = cached_adapters()["pirate"]  # trained once, shared with the llama.cpp tests
+    return {"pirate": pirate,
+            "zero": scaled(pirate, tmp_path_factory.mktemp("lora") / "zero", 0.0)}
 
 
 def manifest_data(adapters: dict[str, Path]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ import numpy as np
 from laya_backend_llamacpp import cpu, loading, memory, sampling
 from laya_backend_llamacpp.embedder import Embedder
 from laya_backend_llamacpp.llama_log import LLAMA_LOG
+from laya_backend_llamacpp.lora import LoraAdapters
 from laya_backend_llamacpp.memory import (
     embed_batch_tokens,
     flash_attention,
@@ -69,6 +70,10 @@ class LlamaCppBackend(Backend):
     kv_layout = "streams"
     supports_prompt_logprobs = True
     supports_speculative = True
+    # GGUF LoRA adapters (convert_lora_to_gguf.py's). A llama_decode applies one set of
+    # adapters to all its rows, so a step runs a pass per adapter among its sequences.
+    supports_lora = True
+    lora_format = "gguf"
     supports_embeddings = True
     embeds_in_chunks = True  # embed_step: chunks of inputs, several inputs a decode
     # Whether a running sequence can change slots (move_sequence): set at allocation, where
@@ -122,6 +127,12 @@ class LlamaCppBackend(Backend):
     def memory_profile(cls, config: ModelConfig, shape: ModelShape) -> MemoryProfile:
         return memory.memory_profile(config, shape)
 
+    @classmethod
+    def read_adapter(cls, path: str, base: ModelShape | None) -> Any:
+        from laya_core.models.lora import read_gguf_adapter
+
+        return read_gguf_adapter(path, base)
+
     _model: Any = None
     _ctx: Any = None
     _batch: Any = None
@@ -129,12 +140,23 @@ class LlamaCppBackend(Backend):
     _fixed_threads: int | None = None
     _tokenizer: LlamaTokenizer | None = None
     _embedder: Embedder | None = None
+    _lora: LoraAdapters | None = None
 
     def load_weights(self) -> ModelInfo:
         ll = self._ll = loading.llama()
         self._model, self._runtime, self.pooling = loading.load_model(ll, self.config)
         info, self._vocab, self._n_vocab, self._tokenizer = loading.model_info(ll, self._model)
+        self._lora = LoraAdapters(ll, self._model)
+        self._runtime["lora"] = self._lora.described
+        for name, path in self.config.lora.items():
+            self._lora.load(name, path)
         return info
+
+    def load_adapter(self, name: str, path: str) -> None:
+        self._lora.load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        self._lora.unload(name, self._ctx)
 
     def allocate_kv(self, *, num_tokens: int, max_num_seqs: int) -> None:
         self.allocate_cache(n_ctx=num_tokens, max_num_seqs=max_num_seqs)
@@ -219,18 +241,22 @@ class LlamaCppBackend(Backend):
         return self.tokenizer().token_bytes(token_id)
 
     def start_sequence(self, slot: int, params: SamplingParams, keep_tokens: int = 0) -> None:
+        self._lora.check(params.lora)
         self._ll.llama_memory_seq_rm(self._mem, slot, keep_tokens, -1)
         self._free_sampler(slot)
         self._samplers[slot] = sampling.build_chain(self._ll, params, self._n_vocab)
         self._params[slot] = params
+        self._lora.bind(slot, params.lora)
 
     def step(self, items: Sequence[StepItem]) -> list[StepResult]:
         out = [StepResult()] * len(items)
-        for group in self._passes(items):
-            self._run(items, group, out)
+        for adapter, chosen in self._lora.groups([item.seq_id for item in items]):
+            self._lora.apply(adapter, self._ctx)
+            for group in self._passes(items, chosen):
+                self._run(items, group, out)
         return out
 
-    def _passes(self, items: Sequence[StepItem]) -> list[list[int]]:
+    def _passes(self, items: Sequence[StepItem], chosen: list[int]) -> list[list[int]]:
         """The items of each ``llama_decode`` of a step, in slot order.
 
         Slot order keeps neighbouring slots in one forward pass. One call holds the whole
@@ -242,7 +268,7 @@ class LlamaCppBackend(Backend):
         That costs throughput (c=8 1.16x llama-server against 1.33x, AMD EPYC), and with
         flash attention on the output depends on the batch anyway, so only then.
         """
-        order = sorted(range(len(items)), key=lambda i: items[i].seq_id)
+        order = sorted(chosen, key=lambda i: items[i].seq_id)
         if self._unified or not self._chunks_alone:
             return [order]
         # Decoding: one token each, and the drafts a sequence's checked tokens follow.
@@ -367,6 +393,7 @@ class LlamaCppBackend(Backend):
         self._ll.llama_memory_seq_rm(self._mem, src_slot, -1, -1)
         self._samplers[dst_slot] = self._samplers.pop(src_slot)
         self._params[dst_slot] = self._params.pop(src_slot)
+        self._lora.move(src_slot, dst_slot)
 
     def save_stream(self, slot: int, key: int) -> None:
         """Copy ``slot``'s KV to host memory as ``key`` (llama_state_seq_get_data)."""
@@ -387,6 +414,8 @@ class LlamaCppBackend(Backend):
 
     def _free_sampler(self, slot: int) -> None:
         self._params.pop(slot, None)
+        if self._lora is not None:
+            self._lora.bind(slot, None)
         sampler = self._samplers.pop(slot, None)
         if sampler is not None:
             self._ll.llama_sampler_free(sampler)

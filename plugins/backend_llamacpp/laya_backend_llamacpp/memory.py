@@ -159,4 +159,42 @@ def memory_profile(config: ModelConfig, shape: ModelShape) -> MemoryProfile:
             Overhead("vocabulary", shape.vocab_size * _VOCAB_BYTES_PER_TOKEN,
                      f"{_VOCAB_BYTES_PER_TOKEN} B per token (measured: about 20 MiB for "
                      "49,152 tokens)"),
+            *([lora_overhead(config, shape)] if config.lora_slots else []),
         ))
+
+
+def lora_overhead(config: ModelConfig, shape: ModelShape) -> Overhead:
+    """The LoRA adapters: llama.cpp holds each GGUF adapter's matrices as stored, in a
+    buffer of their own. Room for adapters loaded while serving is priced at the rank limit
+    on every module, in float32 (the largest type an adapter file may use)."""
+    from laya_core.models.lora import rank_limit, read_gguf_adapter
+
+    adapters = [read_gguf_adapter(path) for path in config.lora.values()]
+    rank = rank_limit(config.max_lora_rank, [a.rank for a in adapters])
+    extra = config.lora_slots - len(adapters)
+    how = [f"{len(adapters)} of the lora table (rank "
+           f"{'/'.join(map(str, sorted({a.rank for a in adapters})))}), as stored"] \
+        if adapters else []
+    room = 0
+    if extra:
+        h, ffn = shape.hidden_size, _feed_forward_length(config.path)
+        q, kv = shape.n_heads * shape.head_dim_k, shape.n_kv_heads * shape.head_dim_k
+        v, o = shape.n_kv_heads * shape.head_dim_v, shape.n_heads * shape.head_dim_v
+        features = (h + q) + (h + kv) + (h + v) + (o + h) + 2 * (h + ffn) + (ffn + h)
+        room = extra * shape.n_layers * features * rank * 4
+        how.append(f"room for {extra} loaded while serving, each of rank up to {rank} on "
+                   "every module, float32")
+    return Overhead("LoRA adapters", sum(a.nbytes for a in adapters) + room, "; ".join(how))
+
+
+def _feed_forward_length(path: str) -> int:
+    """The MLP's intermediate size, from the GGUF file's ``{arch}.feed_forward_length`` (the
+    largest, where it is given per layer)."""
+    from pathlib import Path
+
+    from laya_core.models.gguf_header import read_gguf_header
+
+    meta = read_gguf_header(Path(path), keep_items=4096).metadata
+    value = meta.get(f"{meta.get('general.architecture')}.feed_forward_length")
+    values = value if isinstance(value, list) else [value]
+    return max((int(v) for v in values if isinstance(v, int)), default=0)

@@ -17,6 +17,8 @@ the step's ``llama_decode``, so a copy always reads the KV it was planned from.
   running sequence is found. A retained slot whose KV is all prefix is taken over;
   otherwise the prefix is copied and the cached text stays for the prompt it answered.
   KV that a waiting request will reuse is moved out of the way rather than dropped.
+- **Adapters.** KV computed under a LoRA adapter is another text's KV: a retained, running
+  or saved stream is reused only by a sequence of the same adapter (or of none).
 - **Saved KV.** A slot holds one sequence, so slots alone keep ``max_num_seqs``
   conversations at most. An evicted stream's KV is first saved to host memory, up to the
   backend's ``saved_kv_tokens`` (planned), least recently saved forgotten first; a prompt
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import collections
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from laya_backend_llamacpp.stream_ops import (
@@ -44,10 +46,12 @@ from laya_core.kv.prefix import MIN_REUSE_TOKENS, best_match, common_prefix_len
 
 
 class RetainedSlots:
-    """Slots holding finished sequences' KV, with its tokens, least recently used first."""
+    """Slots holding finished sequences' KV, with its tokens and the LoRA adapter it was
+    computed under, least recently used first."""
 
     def __init__(self) -> None:
         self._entries: collections.OrderedDict[int, list[int]] = collections.OrderedDict()
+        self._adapters: dict[int, str | None] = {}
 
     def __contains__(self, slot: int) -> bool:
         return slot in self._entries
@@ -55,11 +59,16 @@ class RetainedSlots:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def retain(self, slot: int, tokens: list[int]) -> None:
+    def retain(self, slot: int, tokens: list[int], adapter: str | None = None) -> None:
         self._entries[slot] = tokens
+        self._adapters[slot] = adapter
 
     def take(self, slot: int) -> list[int]:
+        self._adapters.pop(slot, None)
         return self._entries.pop(slot)
+
+    def adapter(self, slot: int) -> str | None:
+        return self._adapters.get(slot)
 
     def num_tokens(self, slot: int) -> int:
         return len(self._entries[slot])
@@ -71,8 +80,10 @@ class RetainedSlots:
     def slots(self) -> list[int]:
         return list(self._entries)
 
-    def entries(self) -> Iterable[tuple[int, list[int]]]:
-        return self._entries.items()
+    def entries(self, adapter: str | None = None) -> Iterable[tuple[int, list[int]]]:
+        """(slot, tokens) of the KV computed under ``adapter`` (None: the base model)."""
+        return ((slot, tokens) for slot, tokens in self._entries.items()
+                if self._adapters.get(slot) == adapter)
 
 
 class StreamsKVCache(KVCache):
@@ -96,6 +107,7 @@ class StreamsKVCache(KVCache):
         # Evicted streams' KV kept in host memory (backends with saved_kv_tokens), by key,
         # least recently saved first; at most saved_capacity tokens in all.
         self.saved: collections.OrderedDict[int, list[int]] = collections.OrderedDict()
+        self._saved_adapter: dict[int, str | None] = {}  # key -> the adapter of its KV
         self.saved_capacity = 0
         self.num_saved_tokens = 0
         self._keys = itertools.count()
@@ -157,9 +169,10 @@ class StreamsKVCache(KVCache):
         if restore is not None:
             self._ops.append(StartStream(slot, seq.params, num_copied=n, restore=restore[0]))
         elif slot == source:  # taken over: its KV is the prefix
+            adapter = self.prefix.adapter(source)
             held = self._drop_retained(source)
             if n < len(held):  # the rest would be lost: save it first
-                self._save(source, held)
+                self._save(source, held, adapter)
             self._ops.append(StartStream(slot, seq.params, keep_tokens=n))
         else:
             if source is not None:
@@ -176,19 +189,22 @@ class StreamsKVCache(KVCache):
         slot = self._slot.pop(seq.seq_id)
         del self._blocks[seq.seq_id]
         kept = retain and self.prefix_caching and seq.num_computed > 0 \
-            and self._retain(slot, seq.computed_token_ids, seq.num_prompt_tokens)
+            and self._retain(slot, seq.computed_token_ids, seq.num_prompt_tokens,
+                             seq.params.lora)
         if not kept:
             self._free_slots.append(slot)
             self._ops.append(DropStream(slot))
 
-    def _retain(self, slot: int, tokens: list[int], num_prompt_tokens: int) -> bool:
-        """Keep a finished sequence's KV unless another retained slot already holds it.
+    def _retain(self, slot: int, tokens: list[int], num_prompt_tokens: int,
+                adapter: str | None) -> bool:
+        """Keep a finished sequence's KV (computed under ``adapter``) unless another retained
+        slot already holds it.
 
-        A retained slot that holds a prefix of ``tokens``, or the same prompt with another
-        answer, is dropped instead: a question asked again would otherwise fill every slot
-        with copies of itself.
+        A retained slot of the same adapter that holds a prefix of ``tokens``, or the same
+        prompt with another answer, is dropped instead: a question asked again would
+        otherwise fill every slot with copies of itself.
         """
-        for other, held in list(self.prefix.entries()):
+        for other, held in list(self.prefix.entries(adapter)):
             shared = common_prefix_len(tokens, held)
             if shared == len(tokens):  # already cached, in full
                 self.prefix.touch(other)
@@ -196,11 +212,18 @@ class StreamsKVCache(KVCache):
             if shared == len(held) or shared >= num_prompt_tokens:
                 self._evict(other, save=False)
         self._retained_blocks[slot] = self.blocks_for(len(tokens))  # fits: just freed
-        self.prefix.retain(slot, tokens)
+        self.prefix.retain(slot, tokens, adapter)
         return True
 
     def before_step(self) -> None:
         self._compact()
+
+    def forget_adapter(self, name: str) -> None:
+        """Drop the retained and saved KV computed under adapter ``name``."""
+        for slot in [s for s in self.prefix.slots() if self.prefix.adapter(s) == name]:
+            self._evict(slot, save=False)
+        for key, _ in self._saved_entries(name):
+            self._forget(key)
 
     def op_failed(self, op: KVOp) -> tuple[int, ...]:
         """The backend could not apply ``op``: a stream it was to start or move fails its
@@ -281,10 +304,11 @@ class StreamsKVCache(KVCache):
 
     def _move(self, slot: int, to: int) -> None:
         """Move a retained slot's KV to the free slot ``to``; ``slot`` is then in use."""
+        adapter = self.prefix.adapter(slot)
         tokens = self.prefix.take(slot)
         self._free_slots.remove(to)
         self._retained_blocks[to] = self._retained_blocks.pop(slot)
-        self.prefix.retain(to, tokens)
+        self.prefix.retain(to, tokens, adapter)
         self._ops.append(MoveStream(slot, to, len(tokens)))
 
     def _compact(self) -> None:
@@ -317,17 +341,26 @@ class StreamsKVCache(KVCache):
 
     def _wanted_by_waiting(self) -> set[int]:
         """Retained slots whose KV a waiting sequence would reuse: evicted last."""
-        return self._wanted(self.prefix.entries())
+        return self._wanted(self.prefix.entries)
 
-    def _wanted(self, entries: Iterable[tuple[int, list[int]]]) -> set[int]:
-        """The keys of ``entries`` (retained slots, or saved KV) that a waiting sequence
-        would reuse. Only the sequences next in line count (as many as can run at once): a
-        long queue must not make every admission slow."""
-        candidates = list(entries)
+    def _saved_entries(self, adapter: str | None) -> list[tuple[int, list[int]]]:
+        """(key, tokens) of the saved KV computed under ``adapter``."""
+        return [(key, tokens) for key, tokens in self.saved.items()
+                if self._saved_adapter.get(key) == adapter]
+
+    def _wanted(self, entries: Callable[[str | None], Iterable[tuple[int, list[int]]]]
+                ) -> set[int]:
+        """The keys of ``entries(adapter)`` (retained slots, or saved KV, of an adapter)
+        that a waiting sequence would reuse. Only the sequences next in line count (as many
+        as can run at once): a long queue must not make every admission slow."""
+        by_adapter: dict[str | None, list[tuple[int, list[int]]]] = {}
         wanted = set()
         for seq in itertools.islice(self._waiting, self.num_slots):
             if seq.num_prompt_tokens > MIN_REUSE_TOKENS and not seq.scores_prompt:
-                match = best_match(seq.prompt_token_ids, candidates, seq.min_last_chunk)
+                lora = seq.params.lora
+                if lora not in by_adapter:
+                    by_adapter[lora] = list(entries(lora))
+                match = best_match(seq.prompt_token_ids, by_adapter[lora], seq.min_last_chunk)
                 if match is not None:
                     wanted.add(match[0])
         return wanted
@@ -335,9 +368,10 @@ class StreamsKVCache(KVCache):
     def _evict(self, slot: int, save: bool = True) -> None:
         """Drop a retained slot's KV (the backend drops its stream) and free the slot; with
         ``save``, the KV is kept in host memory first, where there is room for it."""
+        adapter = self.prefix.adapter(slot)
         tokens = self._drop_retained(slot)
         if save:
-            self._save(slot, tokens)
+            self._save(slot, tokens, adapter)
         self._free_slots.append(slot)
         self._ops.append(DropStream(slot))
 
@@ -345,15 +379,16 @@ class StreamsKVCache(KVCache):
         del self._retained_blocks[slot]
         return self.prefix.take(slot)
 
-    def _save(self, slot: int, tokens: list[int]) -> None:
-        """Copy an evicted stream's KV to host memory. Saved texts this one holds in full
-        are forgotten, then the least recently saved KV that no waiting request would
-        restore, until there is room; when only wanted KV is left, this one is not saved
-        (what is saved serves requests waiting now, this one none yet)."""
+    def _save(self, slot: int, tokens: list[int], adapter: str | None) -> None:
+        """Copy an evicted stream's KV (computed under ``adapter``) to host memory. Saved
+        texts of the same adapter this one holds in full are forgotten, then the least
+        recently saved KV that no waiting request would restore, until there is room; when
+        only wanted KV is left, this one is not saved (what is saved serves requests
+        waiting now, this one none yet)."""
         if not MIN_REUSE_TOKENS < len(tokens) <= self.saved_capacity:
             return
         victims = []
-        for key, held in self.saved.items():
+        for key, held in self._saved_entries(adapter):
             shared = common_prefix_len(tokens, held)
             if shared == len(tokens):  # already saved, in full
                 return
@@ -362,7 +397,7 @@ class StreamsKVCache(KVCache):
         room = self.saved_capacity - self.num_saved_tokens
         room += sum(len(self.saved[key]) for key in victims)
         if room < len(tokens):
-            wanted = self._wanted(self.saved.items())
+            wanted = self._wanted(self._saved_entries)
             for key, held in self.saved.items():
                 if room >= len(tokens):
                     break
@@ -375,11 +410,13 @@ class StreamsKVCache(KVCache):
             self._forget(key)
         key = next(self._keys)
         self.saved[key] = tokens
+        self._saved_adapter[key] = adapter
         self.num_saved_tokens += len(tokens)
         self._ops.append(SaveStream(slot, key))
 
     def _take_saved(self, key: int) -> None:
         """Saved KV about to be restored: it leaves the host cache (its stream holds it)."""
+        self._saved_adapter.pop(key, None)
         self.num_saved_tokens -= len(self.saved.pop(key))
 
     def _forget(self, key: int) -> None:
@@ -393,9 +430,10 @@ class StreamsKVCache(KVCache):
         if seq.num_prompt_tokens <= MIN_REUSE_TOKENS or not max_reuse_tokens(
                 seq, self.prefix_caching):
             return None, None  # too short to reuse, or it needs every position's logits
-        live = ((self._slot[s.seq_id], s.computed_token_ids)
-                for s in self._running if s.num_computed and s.seq_id in self._slot)
+        lora = seq.params.lora
+        live = ((self._slot[s.seq_id], s.computed_token_ids) for s in self._running
+                if s.num_computed and s.seq_id in self._slot and s.params.lora == lora)
         prompt = seq.prompt_token_ids
         tail = seq.min_last_chunk
-        return (best_match(prompt, itertools.chain(self.prefix.entries(), live), tail),
-                best_match(prompt, self.saved.items(), tail))
+        return (best_match(prompt, itertools.chain(self.prefix.entries(lora), live), tail),
+                best_match(prompt, self._saved_entries(lora), tail))

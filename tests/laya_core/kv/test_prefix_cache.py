@@ -73,3 +73,25 @@ def test_a_reused_prefix_leaves_the_backends_last_chunk_to_compute() -> None:
         # 34 - 1 leaves two whole blocks to reuse; 34 - 3, one.
         assert (first[0], second[0]) == (0, reused), backend.__name__
         assert first[1] == second[1] == bytes(prompt[:6]).decode()  # the toy repeats its prompt
+
+
+def test_an_unloaded_adapters_blocks_are_never_found_again() -> None:
+    """Blocks cached under adapter "a" are found by "a" alone; once "a" is unloaded, an
+    adapter loaded again as "a" hashes from another salt and finds none of them."""
+    from laya_core.engine.request import Request
+
+    kv = PagedKVCache(256, 4)
+    prompt = list(range(100, 148))
+
+    def run(i: int, adapter: str | None) -> int:
+        seq = Request(i, prompt, SamplingParams(4, lora=adapter))
+        assert kv.can_admit(seq)
+        kv.admit(seq)
+        hit = seq.num_cached_tokens
+        seq.num_computed = len(prompt)
+        kv.finish(seq, retain=True)
+        return hit
+
+    assert [run(0, "a"), run(1, None), run(2, "a"), run(3, "b")] == [0, 0, 32, 0]
+    kv.forget_adapter("a")
+    assert [run(4, "a"), run(5, "a")] == [0, 32]

@@ -1,6 +1,6 @@
-"""PEFT LoRA folders read and checked from their headers (laya_core/models/lora.py), and the
-manifest's ``lora`` table: a bad folder is refused naming the key and the tensor or field,
-before anything loads. The folders are written here with safetensors' own writer, in the
+"""PEFT LoRA folders and llama.cpp's GGUF adapters read and checked from their headers
+(laya_core/models/lora.py), and the manifest's ``lora`` table: a bad adapter is refused
+naming the key and the tensor or field, before anything loads. The folders are written here with safetensors' own writer, in the
 embedded model's shapes (SmolLM2-135M: 30 layers, hidden 576, 9 heads, 3 KV heads of 64)."""
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def test_the_manifest_names_the_adapter_key(tmp_path: Path) -> None:
     assert "in features 100" in found["models[0].lora.wide"]
     found = problems_of({"models": [{**model, "backend": "llamacpp",
                                      "lora": {"good": "good"}}]}, tmp_path)
-    assert "does not apply LoRA adapters" in found["models[0].lora"]
+    assert "convert_lora_to_gguf.py" in found["models[0].lora.good"]  # llama.cpp's: GGUF
     found = problems_of({"models": [{**model, "lora": {"m": "good"}},
                                     {**model, "name": "n", "lora": {"good": "good"}},
                                     {**model, "name": "o", "lora": {"good": "good"}}]},
@@ -139,3 +139,73 @@ def test_the_manifest_names_the_adapter_key(tmp_path: Path) -> None:
     manifest = mf.resolve(mf.from_dict({"models": [{**model, "lora": {"good": "good"}}]},
                                        base_dir=tmp_path), load_registry())
     assert manifest.models[0].lora == {"good": str(tmp_path / "good")}
+
+
+def gguf_adapter(path: Path, shape: Any, **kw: Any) -> Path:
+    """An adapter of random q and v matrices as llama.cpp's GGUF (the conformance kit's
+    writer); ``kw`` as ``random_adapter``'s."""
+    from laya_core.testing.adapters import random_adapter
+
+    return random_adapter(path, shape, seed=0, fmt="gguf", **kw)
+
+
+def test_a_gguf_adapter_reads_with_llama_cpps_scale_and_size(tmp_path: Path,
+                                                             shape: Any) -> None:
+    from laya_core.models.lora import read_gguf_adapter
+
+    a = read_gguf_adapter(gguf_adapter(tmp_path / "a", shape, rank=4, alpha=8.0), shape)
+    assert (a.rank, a.alpha, a.scale) == (4, 8.0, 2.0)
+    assert a.modules == frozenset({"q_proj", "v_proj"})
+    assert a.nbytes == 4 * 30 * (4 * 576 + 576 * 4 + 4 * 576 + 192 * 4)
+    # llama.cpp's reading of an alpha of 0: no alpha, the matrices as they are.
+    assert read_gguf_adapter(gguf_adapter(tmp_path / "b", shape, alpha=0.0)).scale == 1.0
+
+
+def test_a_bad_gguf_adapter_is_refused_saying_why(tmp_path: Path, shape: Any) -> None:
+    import gguf
+
+    from laya_core.models.lora import read_gguf_adapter
+
+    def refused(path: Path) -> str:
+        with pytest.raises(AdapterError) as e:
+            read_gguf_adapter(path, shape)
+        return str(e.value)
+
+    good = gguf_adapter(tmp_path / "good", shape)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(good.read_bytes()[:-1000])
+    assert "truncated" in refused(cut)
+    peft = write_adapter(tmp_path / "peft")
+    assert "convert_lora_to_gguf.py" in refused(peft)
+    model = Path(load_registry().resolve_model_path(EMBEDDED))
+    assert "general.type is 'model'" in refused(model)
+    assert "no such file" in refused(tmp_path / "nothing.gguf")
+
+    def written(name: str, tensors: dict[str, np.ndarray], **meta: str) -> Path:
+        w = gguf.GGUFWriter(tmp_path / name, "llama")
+        w.add_string("general.type", "adapter")
+        w.add_string("adapter.type", meta.get("type", "lora"))
+        for key, value in meta.items():
+            if key != "type":
+                w.add_string(key, value)
+        for tensor, data in tensors.items():
+            w.add_tensor(tensor, data)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return tmp_path / name
+
+    a, b = np.zeros((4, 576), np.float32), np.zeros((576, 4), np.float32)
+    assert "adapter.type is 'control_vector'" in refused(
+        written("cv.gguf", {"blk.0.attn_q.weight.lora_a": a}, type="control_vector"))
+    assert "layers.0.q_proj has lora_A without its partner" in refused(
+        written("half.gguf", {"blk.0.attn_q.weight.lora_a": a}))
+    assert "'token_embd.weight.lora_a' is no LoRA matrix" in refused(
+        written("embd.gguf", {"token_embd.weight.lora_a": a}))
+    assert "in features 512, the base model's are 576" in refused(written("other.gguf", {
+        "blk.0.attn_q.weight.lora_a": np.zeros((4, 512), np.float32),
+        "blk.0.attn_q.weight.lora_b": b}))
+    assert "activated LoRA" in refused(written("alora.gguf", {
+        "blk.0.attn_q.weight.lora_a": a, "blk.0.attn_q.weight.lora_b": b},
+        **{"adapter.alora.invocation_tokens": "x"}))
