@@ -221,6 +221,10 @@ class Backend(abc.ABC):
     supports_prompt_logprobs: ClassVar[bool] = False
     # Whether step() verifies drafts (``StepItem.draft``): speculative decoding.
     supports_speculative: ClassVar[bool] = False
+    # Whether a second instance of the backend can run a draft model beside the model
+    # (speculative method "draft", laya_core/engine/draft_model.py): its KV is a stream per
+    # slot the engine hands out itself, with no cache policy's block tables.
+    supports_draft_model: ClassVar[bool] = False
     # Whether the backend applies LoRA adapters (``ModelConfig.lora``) per sequence
     # (``SamplingParams.lora``): it loads each one with its weights and counts it in
     # ``memory_profile``.
@@ -364,6 +368,11 @@ class Backend(abc.ABC):
         """Prepare the sampler state of a new sequence (``StepItem.seq_id``). On the paged
         layout its KV is already placed by its block table; a streams-layout policy's own
         ops prepare its stream."""
+
+    def trim_sequence(self, seq_id: int, num_tokens: int) -> None:
+        """Drop sequence ``seq_id``'s KV from position ``num_tokens`` on (asked of a backend
+        with ``supports_draft_model``, whose draft instance keeps a stream per slot)."""
+        raise NotImplementedError(f"the {self.name} backend trims no sequence")
 
     @abc.abstractmethod
     def step(self, items: Sequence[StepItem]) -> list[StepResult]:

@@ -71,6 +71,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    model: str | None = None  # method "draft": the draft model's path (laya_core/engine/draft_model.py)
 
 
 class FinishReason(enum.Enum):

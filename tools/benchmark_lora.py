@@ -1,12 +1,15 @@
-"""What LoRA adapters cost the torch backend: decode throughput of one step's sequences
-with no adapter, one adapter on all, half and half, and three groups (base and two
-adapters), in alternating rounds, in-process (one replica, the embedded model).
+"""What LoRA adapters cost a backend: decode throughput of one step's sequences with no
+adapter, one adapter on all, half and half, and three groups (base and two adapters), in
+alternating rounds, in-process (one replica, the embedded model).
 
-    python tools/benchmark_lora.py ADAPTER_FOLDER [--rounds 5] [--threads 2]
+    python tools/benchmark_lora.py ADAPTER [--backend torch|llamacpp] [--rounds 5]
+                                           [--threads 2]
 
-ADAPTER_FOLDER is a PEFT LoRA folder of the embedded model (tests/lora_adapters.py trains
-one); the second adapter is the same matrices under another name, which costs what another
-adapter of that rank would. Eight sequences of 96 greedy tokens each (``ignore_eos``),
+ADAPTER is an adapter of the embedded model in the backend's format: a PEFT folder for
+torch, a GGUF file for llamacpp (tests/lora_adapters.py trains one and converts it); the
+second adapter is the same matrices under another name, which costs what another adapter
+of that rank would. torch applies each sequence's adapter to its rows; llama.cpp runs a
+forward pass per adapter among a step's sequences. Eight sequences of 96 greedy tokens each (``ignore_eos``),
 prefix caching off so every round prefills alike. Prints each round and, last, the ratios
 to the base model's throughput of the same round and the machine's CPU, as JSON.
 """
@@ -48,16 +51,21 @@ MIXES: dict[str, list[str | None]] = {
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("adapter", type=Path)
+    p.add_argument("--backend", choices=("torch", "llamacpp"), default="torch")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=96)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
-        second = Path(scratch) / "b"
-        shutil.copytree(args.adapter, second)
+        second = Path(scratch) / ("b" + args.adapter.suffix)
+        if args.adapter.is_dir():
+            shutil.copytree(args.adapter, second)
+        else:
+            shutil.copyfile(args.adapter, second)
         registry = load_registry()
         manifest = mf.resolve(mf.from_dict({"models": [{
-            "name": "smollm2", "backend": "torch", "path": "embedded:smollm2-135m-instruct",
+            "name": "smollm2", "backend": args.backend,
+            "path": "embedded:smollm2-135m-instruct",
             "max_seq_len": 512, "max_num_seqs": 8, "prefix_caching": False,
             "options": {"n_threads": args.threads},
             "lora": {"a": str(args.adapter.resolve()), "b": str(second)}}]}), registry)
@@ -72,7 +80,7 @@ def main() -> int:
             deployment.stop()
     ratios = {name: [round(t / b, 2) for t, b in zip(tps, results["base x8"], strict=True)]
               for name, tps in results.items()}
-    print(json.dumps({"tokens_per_s": results, "ratio_to_base": ratios,
+    print(json.dumps({"backend": args.backend, "tokens_per_s": results, "ratio_to_base": ratios,
                       "median_ratio": {k: statistics.median(v) for k, v in ratios.items()},
                       "machine": machine()}, indent=1))
     return 0

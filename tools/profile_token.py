@@ -42,7 +42,8 @@ import benchmark_serving as serving  # noqa: E402
 
 # The layers in a token's order, and the thread each runs on (one thread's layers never
 # overlap one another; different threads' do).
-LAYERS = {"loop": "engine", "schedule": "engine", "prefill": "engine", "backend": "engine",
+LAYERS = {"loop": "engine", "schedule": "engine", "draft": "engine", "prefill": "engine",
+          "backend": "engine",
           "detokenize": "engine", "deliver": "engine", "ipc_send": "worker",
           "ipc_receive": "front", "http": "front"}
 

@@ -149,9 +149,10 @@ MODEL_KEYS = ("name", "backend", "path", "max_seq_len", "max_num_seqs", "kv_cach
               "idle_unload_s", "speculative", "lora", "max_loras", "max_lora_rank",
               "options")
 SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min",
-                    "prompt_lookup_max")
-# Speculative decoding's methods (laya_core/engine/speculative.py).
-SPECULATIVE_METHODS = ("ngram",)
+                    "prompt_lookup_max", "model")
+# Speculative decoding's methods: prompt lookup (laya_core/engine/speculative.py) and a
+# draft model (laya_core/engine/draft_model.py).
+SPECULATIVE_METHODS = ("ngram", "draft")
 
 
 def _name_problem(v: str) -> str | None:
@@ -162,12 +163,21 @@ def _name_problem(v: str) -> str | None:
 # A model path such as embedded:NAME, which a resolve_model_path plugin turns into a file.
 
 
-def _speculative(data: Any, where: str, problems: Problems) -> SpeculativeConfig:
+def _speculative(data: Any, where: str, base_dir: Path,
+                 problems: Problems) -> SpeculativeConfig:
     """A model's ``speculative`` table (absent: off)."""
     t = Table(data, where, problems)
     method = t.get("method", str, "ngram", check=lambda v: None if v in SPECULATIVE_METHODS
-                   else 'must be "ngram" (prompt lookup); "draft", a draft model, is not '
-                   "built yet" if v == "draft" else 'must be "ngram" (prompt lookup)')
+                   else 'must be "ngram" (prompt lookup) or "draft" (a draft model)')
+    model = t.get("model", str, None, check=lambda v: None if v else "must not be empty")
+    if method == "draft" and model is None and "model" not in data:
+        t.problem("model", 'is required with method = "draft": the draft model\'s path (a '
+                  "smaller model of the same vocabulary, served by the same backend)")
+    elif method == "ngram" and model is not None:
+        t.problem("model", 'is only for method = "draft"')
+    if model is not None and not SCHEME_RE.match(model):  # a file, not embedded:NAME
+        p = Path(model).expanduser()
+        model = str(p if p.is_absolute() else base_dir / p)
     default = SpeculativeConfig()
     k = t.int_in("num_speculative_tokens", 1, 32, default.num_speculative_tokens)
     low = t.int_in("prompt_lookup_min", 1, 32, default.prompt_lookup_min)
@@ -175,7 +185,7 @@ def _speculative(data: Any, where: str, problems: Problems) -> SpeculativeConfig
     if low is not None and high is not None and low > high:
         t.problem("prompt_lookup_max", f"must be at least prompt_lookup_min ({low}), got {high}")
     t.finish(SPECULATIVE_KEYS)
-    return SpeculativeConfig(method, k, low, high)  # (a problem recorded fails the manifest)
+    return SpeculativeConfig(method, k, low, high, model)  # (a problem fails the manifest)
 
 
 def _lora(data: dict[str, Any], where: str, base_dir: Path,
@@ -249,7 +259,7 @@ def _model(data: Any, index: int, base_dir: Path, problems: Problems) -> ModelCo
                   '"on_demand" too, or remove it (a model loaded always stays loaded)')
     raw_speculative = t.get("speculative", dict, None)
     speculative = None if raw_speculative is None else \
-        _speculative(raw_speculative, t.key("speculative"), problems)
+        _speculative(raw_speculative, t.key("speculative"), base_dir, problems)
     lora = _lora(t.get("lora", dict, {}), t.key("lora"), base_dir, problems)
     max_loras = t.int_in("max_loras", 0, 64, None)
     if max_loras is not None and max_loras < len(lora):

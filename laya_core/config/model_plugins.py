@@ -127,7 +127,43 @@ def resolve_model(m: ModelConfig, i: int, registry: Any, need_backends: bool,
         raise ManifestError(f"models[{i}].path", problem)
     if m.lora and backend and backend.obj.supports_lora:
         _check_adapters(backend.obj, m, path, i, problems)
+    spec = m.speculative
+    if spec is not None and spec.method == "draft" and backend and need_backends:
+        m = attrs.evolve(m, speculative=_check_draft(backend.obj, m, path, i, registry,
+                                                     problems))
     return attrs.evolve(m, path=path)
+
+
+def _check_draft(backend_cls: Any, m: ModelConfig, path: str, i: int, registry: Any,
+                 problems: Problems) -> Any:
+    """The draft model's path resolved, its file one the backend loads, and its vocabulary
+    the model's size (the tokens themselves are compared when it loads)."""
+    key = f"models[{i}].speculative.model"
+    spec = m.speculative
+    assert spec is not None and spec.model is not None
+    if not backend_cls.supports_draft_model:
+        problems.add(f"models[{i}].speculative.method", f"the {m.backend} backend runs no "
+                     'draft model; use method = "ngram", or the llamacpp backend')
+        return spec
+    try:
+        draft = _resolved_path(attrs.evolve(m, path=spec.model), i, registry)
+    except ManifestError as e:
+        problems.add(key, e.message)
+        return spec
+    problem = model_file_problem(draft, backend_cls.check_model_metadata) or \
+        backend_cls.check_model_path(draft)
+    if problem is None:
+        try:
+            want, got = (backend_cls.model_shape(p).vocab_size for p in (path, draft))
+        except (ModelFileError, OSError, ValueError) as e:
+            problem = str(e)
+        else:
+            if want != got:
+                problem = (f"its vocabulary has {got} tokens, the model's {want}: a draft "
+                           "model must share the model's tokenizer")
+    if problem is not None:
+        problems.add(key, problem)
+    return attrs.evolve(spec, model=draft)
 
 
 def _check_adapters(backend_cls: Any, m: ModelConfig, path: str, i: int,

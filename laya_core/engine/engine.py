@@ -17,9 +17,11 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from laya_core.backend import Backend, ModelConfig, ModelInfo
+from laya_core.engine import draft_model
 from laya_core.engine.adapters import AdapterJob, AdapterJobs
 from laya_core.engine.allowed_tokens import NO_TOKEN_ALLOWED, TokenConstraint
 from laya_core.engine.detokenizer import IncrementalDetokenizer
+from laya_core.engine.draft_model import DraftModel, ModelDrafter
 from laya_core.engine.embed_jobs import EmbedCancel, Embeddings, EmbedJob
 from laya_core.engine.embed_queue import EmbedQueue
 from laya_core.engine.embedding import embed_next, queue_embed
@@ -27,6 +29,7 @@ from laya_core.engine.layer_clock import (
     BACKEND,
     DELIVER,
     DETOKENIZE,
+    DRAFT,
     LOOP,
     PREFILL,
     SCHEDULE,
@@ -99,6 +102,7 @@ class Engine:
         self.embedded_tokens = 0  # input tokens fed to the backend's embedding passes
         self.embed_passes = 0  # the backend's embed_step calls
         self.speculative = SpeculativeStats()  # drafts checked and tokens kept
+        self._draft: DraftModel | None = None  # speculative method "draft": its model
         # Where the engine thread's time goes, layer by layer (laya_core/engine/layer_clock.py);
         # a worker process adds its step messages' time.
         self.clock = LayerClock()
@@ -159,7 +163,8 @@ class Engine:
         # would have to follow each draft token, so a constrained sequence decodes plainly.
         if spec is not None and params.speculative and constraint is None \
                 and self.backend.supports_speculative:
-            seq.drafter = NgramDrafter(spec, seq.prompt_token_ids)
+            seq.drafter = NgramDrafter(spec, seq.prompt_token_ids) if self._draft is None \
+                else ModelDrafter(self._draft, spec)
         stream = GenerationStream(seq.seq_id, seq.num_prompt_tokens, self.cancel)
         detok = IncrementalDetokenizer(self.tokenizer.token_bytes, params.stop,
                                        params.shown_tokens)
@@ -269,6 +274,11 @@ class Engine:
                                          self._scheduler_cls, self._cache_cls)
         self._embeds = EmbedQueue(self.max_seq_len, self.backend.max_embed_inputs,
                                   self.backend.embeds_in_chunks, self._dequeued)
+        spec = self.config.speculative
+        if spec is not None and spec.method == "draft":  # laya_core/engine/draft_model.py
+            tokens = self.tokenizer
+            self._draft = draft_model.load(sizes, type(self.backend), [
+                tokens.token_bytes(i) for i in range(tokens.vocab_size)])
         if self._on_loaded is not None:
             self._on_loaded(self)
 
@@ -307,6 +317,8 @@ class Engine:
             self._adapter_jobs.fail_all(EngineUnavailableError(self.error or
                                                                "the replica stopped"))
             self._flush()
+            if self._draft is not None:
+                self._draft.close()
             self.backend.close()
 
     def _fail(self, e: Exception) -> None:
@@ -444,6 +456,10 @@ class Engine:
             self._reject([s for s in self.scheduler.waiting if s.arrival_time < deadline],
                          "queue_timeout", f"waited {self.config.queue_timeout_s:g} s for "
                          "room in the KV cache")
+        if self._draft is not None:  # the draft model's compute, a layer of its own
+            start = self.clock.add(SCHEDULE, start)
+            self._draft.prepare(self.scheduler.running)
+            start = self.clock.add(DRAFT, start)
         plan = self.scheduler.schedule()
         if self.config.max_queue == 0 and self.scheduler.waiting:
             self._reject(list(self.scheduler.waiting), "queue_full",
@@ -533,6 +549,8 @@ class Engine:
         retain = reason in (FinishReason.STOP, FinishReason.LENGTH)
         self.scheduler.finish(seq, retain=retain and live.started)
         self._apply(self.scheduler.kv.take_ops())
+        if seq.drafter is not None:
+            seq.drafter.close()
         if not live.started:
             self._dequeued()
         seq.finish_reason = reason

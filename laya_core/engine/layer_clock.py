@@ -8,6 +8,8 @@ calls, for ``laya:engine_layer_seconds_total`` (docs/metrics.md) and
   look for embedding work; an embedding pass itself is no token's time and not counted);
 - ``schedule``: the step's plan (queue timeouts, ``Scheduler.schedule``, the cache
   policy's ops applied, the backend's items built);
+- ``draft``: a draft model's compute before the step (speculative method "draft",
+  laya_core/engine/draft_model.py); absent without one;
 - ``prefill``: ``Backend.step`` of a step that feeds a prompt chunk (with the decodes
   beside it): the time before a sequence's first token, outside its inter-token gaps;
 - ``backend``: ``Backend.step`` of a step of decodes only, the model's compute with its
@@ -20,7 +22,7 @@ calls, for ``laya:engine_layer_seconds_total`` (docs/metrics.md) and
 - ``ipc_receive``: the front end's side of it (unpickle, and the events to their streams);
 - ``http``: each SSE chunk's JSON and its write to the connection.
 
-The first six run on the engine thread one after another; the last three on other threads
+The first seven run on the engine thread one after another; the last three on other threads
 and processes, beside the next step. A layer costs two ``perf_counter_ns`` calls and a list
 update per step or message (about 0.2 µs), so the clock is never off.
 """
@@ -30,9 +32,9 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
-LAYERS = ("loop", "schedule", "prefill", "backend", "detokenize", "deliver", "ipc_send",
-          "ipc_receive", "http")
-(LOOP, SCHEDULE, PREFILL, BACKEND, DETOKENIZE, DELIVER, IPC_SEND, IPC_RECEIVE,
+LAYERS = ("loop", "schedule", "draft", "prefill", "backend", "detokenize", "deliver",
+          "ipc_send", "ipc_receive", "http")
+(LOOP, SCHEDULE, DRAFT, PREFILL, BACKEND, DETOKENIZE, DELIVER, IPC_SEND, IPC_RECEIVE,
  HTTP) = range(len(LAYERS))
 
 now_ns = time.perf_counter_ns

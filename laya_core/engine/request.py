@@ -12,6 +12,7 @@ from laya_core.types import FinishReason, SamplingParams
 
 if TYPE_CHECKING:
     from laya_core.engine.allowed_tokens import AllowedTokens, TokenConstraint
+    from laya_core.engine.draft_model import ModelDrafter
     from laya_core.engine.speculative import NgramDrafter
 
 
@@ -54,7 +55,7 @@ class Request:
     min_last_chunk: int = 1
     # Where speculative decoding is on for this sequence, what drafts its next tokens
     # (laya_core/engine/speculative.py); and its drafts' counts, for its timing.
-    drafter: NgramDrafter | None = None
+    drafter: NgramDrafter | ModelDrafter | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
 

@@ -96,6 +96,9 @@ class NgramDrafter:
             self._failures += 1
             self._pause = min(MAX_PAUSE, 1 << (self._failures - 1)) if self._failures > 1 else 0
 
+    def close(self) -> None:
+        """The sequence ended (nothing to give back)."""
+
     def _grow(self, end: int) -> None:
         """Index the n-grams that end before ``end`` and after what is indexed (each has a
         token after it; the sequence's own last n-gram has none): a later occurrence

@@ -18,9 +18,9 @@ from laya_core.http.embeddings import embedding_routes
 from laya_core.http.errors import exception_handlers
 from laya_core.http.health import health_routes
 from laya_core.http.hosts import HostCheckMiddleware, host_rule
+from laya_core.http.lora_routes import lora_routes
 from laya_core.http.messages import message_routes
 from laya_core.http.metrics import metrics_registry
-from laya_core.http.lora_routes import lora_routes
 from laya_core.http.model_cards import model_routes
 from laya_core.http.observe import Observer
 from laya_core.http.responses import response_routes

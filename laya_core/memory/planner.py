@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -22,6 +23,7 @@ from laya_core.memory.ledger import (
     Plan,
     ReplicaLedger,
     decide_sizes,
+    sizes_for,
 )
 from laya_core.models.files import ModelFileError, ModelShape
 from laya_core.plugins import Registry
@@ -69,16 +71,40 @@ def _with_constraints(profile: MemoryProfile, shape: ModelShape) -> MemoryProfil
         f"({fmt_bytes(child)}: interpreter, index, one compile)")))
 
 
-def _with_drafts(profile: MemoryProfile, config: ModelConfig) -> MemoryProfile:
+def _with_drafts(profile: MemoryProfile, config: ModelConfig, shape: ModelShape,
+                 cls: type[Backend]) -> MemoryProfile:
     """Speculative decoding's share: each running sequence's drafter indexes its tokens, and
-    the running sequences hold at most the KV pool's tokens."""
+    the running sequences hold at most the KV pool's tokens; or the draft model, with a
+    pool like the model's (laya_core/engine/draft_model.py)."""
     assert config.speculative is not None
+    if config.speculative.method == "draft":
+        return _with_draft_model(profile, config, shape, cls)
     per_token = drafter_bytes_per_token(config.speculative)
     tokens = config.kv_cache_tokens or 0
     return attrs.evolve(profile, overheads=(*profile.overheads, Overhead(
         "speculative drafts", tokens * per_token,
         f"prompt lookup's n-gram index: {tokens} pool tokens x {per_token} B (measured "
         "391 B a token for n-grams of 2 to 4 tokens)")))
+
+
+def _with_draft_model(profile: MemoryProfile, config: ModelConfig, shape: ModelShape,
+                      cls: type[Backend]) -> MemoryProfile:
+    """The draft model's weights, its KV pool (as many tokens as the model's, in its own
+    layout) and its backend's overheads, each as a line of the model's replica."""
+    from laya_core.engine.draft_model import draft_config
+
+    sized = sizes_for(config, shape.n_ctx_train)
+    draft = draft_config(sized)
+    draft_shape = cls.model_shape(draft.path)
+    p = cls.memory_profile(draft, draft_shape)
+    tokens = draft.kv_cache_tokens or 0
+    lines = [Overhead("draft model weights", p.weights_bytes,
+                      f"{Path(draft.path).name}: {p.weights_source}"),
+             Overhead("draft model KV", tokens * p.kv_bytes_per_token,
+                      f"{tokens} tokens x {p.kv_bytes_per_token} B ({p.kv_dtype}), a pool "
+                      "like the model's")]
+    lines += [attrs.evolve(o, name=f"draft model {o.name}") for o in p.overheads]
+    return attrs.evolve(profile, overheads=(*profile.overheads, *lines))
 
 
 def _ledgers(configs: list[tuple[ModelConfig, ModelShape, type[Backend]]],
@@ -89,7 +115,7 @@ def _ledgers(configs: list[tuple[ModelConfig, ModelShape, type[Backend]]],
         if cls.supports_constraints:
             profile = _with_constraints(profile, shape)
         if config.speculative is not None and cls.supports_speculative:
-            profile = _with_drafts(profile, config)
+            profile = _with_drafts(profile, config, shape, cls)
         if processes and cls.load_tokenizer is not Backend.load_tokenizer:  # as Deployment
             profile = _in_worker(profile, shape)
         for _ in range(config.replicas):

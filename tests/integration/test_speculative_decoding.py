@@ -1,6 +1,8 @@
-"""Speculative decoding (prompt lookup) on the real model, both backends: the output with it
-is the output without it, greedy and seeded alike, alone and eight at a time; log-probabilities
-come with every token it keeps; and most of a copy's tokens are kept.
+"""Speculative decoding on the real model: prompt lookup on both backends, and a draft
+model on llama.cpp (the embedded model, 4-bit, drafting for a float16 copy of itself:
+tests/draft_models.py). The output with it is the output without it, greedy and seeded
+alike, alone and eight at a time; log-probabilities come with every token it keeps; and most
+of a copy's tokens are kept.
 
 Both replicas run the exact path (llama.cpp's flash attention off, torch deterministic), as
 the cache canaries do. On torch "the same" is token for token. (llama.cpp computes a row of a
@@ -17,6 +19,7 @@ from collections.abc import Iterator
 
 import attrs
 import pytest
+from draft_models import f16_copy
 
 from laya_core.config import manifest as mf
 from laya_core.engine.engine import Engine
@@ -53,12 +56,19 @@ PROMPTS = [
 ]
 
 
-def start(backend: str, speculative: bool) -> tuple[Deployment, Engine]:
+def start(kind: str, speculative: bool) -> tuple[Deployment, Engine]:
+    """A replica of ``kind``: a backend (prompt lookup), or "llamacpp-draft" (the float16
+    copy, with the embedded model drafting)."""
     registry = load_registry()
-    model = {"name": "smollm2", "path": "embedded:smollm2-135m-instruct", "backend": backend,
+    backend = kind.removesuffix("-draft")
+    path = str(f16_copy()) if kind.endswith("-draft") else "embedded:smollm2-135m-instruct"
+    model = {"name": "smollm2", "path": path, "backend": backend,
              "max_seq_len": 1024, "max_num_seqs": 8, "max_step_tokens": 256,
              "options": EXACT[backend]}
-    if speculative:
+    if speculative and kind.endswith("-draft"):
+        model["speculative"] = {"method": "draft", "num_speculative_tokens": 4,
+                                "model": "embedded:smollm2-135m-instruct"}
+    elif speculative:
         model["speculative"] = {"method": "ngram", "num_speculative_tokens": 4}
     d = Deployment(mf.resolve(mf.from_dict({"models": [model]}), registry), registry)
     d.start()
@@ -73,10 +83,10 @@ class Pair:
     spec: Engine
 
 
-@pytest.fixture(scope="module", params=["llamacpp", "torch"])
+@pytest.fixture(scope="module", params=["llamacpp", "torch", "llamacpp-draft"])
 def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     plain, spec = start(request.param, False), start(request.param, True)
-    yield Pair(request.param, plain[1], spec[1])
+    yield Pair(request.param.removesuffix("-draft"), plain[1], spec[1])
     plain[0].stop()
     spec[0].stop()
 

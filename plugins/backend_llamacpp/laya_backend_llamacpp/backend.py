@@ -70,6 +70,7 @@ class LlamaCppBackend(Backend):
     kv_layout = "streams"
     supports_prompt_logprobs = True
     supports_speculative = True
+    supports_draft_model = True  # a second context of a smaller GGUF (engine/draft_model.py)
     # GGUF LoRA adapters (convert_lora_to_gguf.py's). A llama_decode applies one set of
     # adapters to all its rows, so a step runs a pass per adapter among its sequences.
     supports_lora = True
@@ -247,6 +248,9 @@ class LlamaCppBackend(Backend):
         self._samplers[slot] = sampling.build_chain(self._ll, params, self._n_vocab)
         self._params[slot] = params
         self._lora.bind(slot, params.lora)
+
+    def trim_sequence(self, seq_id: int, num_tokens: int) -> None:
+        self._ll.llama_memory_seq_rm(self._mem, seq_id, num_tokens, -1)
 
     def step(self, items: Sequence[StepItem]) -> list[StepResult]:
         out = [StepResult()] * len(items)

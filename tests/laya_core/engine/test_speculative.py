@@ -5,13 +5,16 @@ any token kept wrongly, or KV left from a rejected draft, shows in an output).""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 from toy_backend import shared_prefix_workload, started_engine
 
+from laya_core.backend import ModelConfig
 from laya_core.config import manifest as mf
 from laya_core.config.table import ManifestError
 from laya_core.engine.speculative import MAX_PAUSE, NgramDrafter, SpeculativeConfig
+from laya_core.plugins import load_registry
 from laya_core.types import SamplingParams
 
 
@@ -109,7 +112,8 @@ def test_the_manifest_table() -> None:
 
 
 @pytest.mark.parametrize(("table", "key", "says"), [
-    ({"method": "draft"}, "models[0].speculative.method", "not built yet"),
+    ({"method": "draft"}, "models[0].speculative.model", "is required"),
+    ({"model": "/d.gguf"}, "models[0].speculative.model", 'only for method = "draft"'),
     ({"method": "eagle"}, "models[0].speculative.method", '"ngram"'),
     ({"num_speculative_tokens": 0}, "models[0].speculative.num_speculative_tokens", "between"),
     ({"prompt_lookup_min": 4, "prompt_lookup_max": 3}, "models[0].speculative.prompt_lookup_max",
@@ -122,6 +126,27 @@ def test_a_bad_table_names_its_key(table: dict[str, object], key: str, says: str
     assert key in str(e.value) and says in str(e.value)
 
 
+def test_a_draft_model_is_resolved_and_checked_naming_its_key(tmp_path: Path) -> None:
+    """A draft model's path is relative to the manifest and resolved as a model's; a file
+    that is not there, or a backend that runs no draft model, is refused naming the key."""
+    registry = load_registry()
+
+    def resolved(backend: str, model: str) -> ModelConfig:
+        data = {"models": [{"name": "m", "backend": backend,
+                            "path": "embedded:smollm2-135m-instruct",
+                            "speculative": {"method": "draft", "model": model}}]}
+        return mf.resolve(mf.from_dict(data, base_dir=tmp_path), registry).models[0]
+
+    spec = resolved("llamacpp", "embedded:smollm2-135m-instruct").speculative
+    assert spec is not None and spec.model is not None and spec.model.endswith(".gguf")
+    with pytest.raises(ManifestError) as e:
+        resolved("llamacpp", "draft.gguf")
+    assert e.value.key == "models[0].speculative.model" and str(tmp_path) in e.value.message
+    with pytest.raises(ManifestError) as e:
+        resolved("torch", "embedded:smollm2-135m-instruct")
+    assert e.value.key == "models[0].speculative.method" and "no draft model" in str(e.value)
+
+
 def test_a_draft_grows_while_kept_whole_and_shrinks_to_what_was_kept() -> None:
     text = list(range(50)) * 2  # the second half repeats the first: everything copies
     drafter = NgramDrafter(SpeculativeConfig(num_speculative_tokens=8), text[:60])
@@ -132,3 +157,27 @@ def test_a_draft_grows_while_kept_whole_and_shrinks_to_what_was_kept() -> None:
     assert len(drafter.draft([], 100)) == 8
     drafter.accepted(8, 0)  # none kept: one token, at once
     assert len(drafter.draft([], 100)) == 1
+
+
+def test_the_plan_holds_the_draft_models_weights_and_kv() -> None:
+    from laya_core.memory.planner import make_plan
+    from laya_core.models.files import read_shape
+
+    registry = load_registry()
+    model = {"name": "m", "backend": "llamacpp", "path": "embedded:smollm2-135m-instruct",
+             "max_seq_len": 512, "max_num_seqs": 2}
+    plans = [make_plan(mf.resolve(mf.from_dict({"models": [m]}), registry), registry)
+             .replicas[0] for m in (model, {**model, "speculative": {
+                 "method": "draft", "model": "embedded:smollm2-135m-instruct"}})]
+    lines = {o.name: o.bytes for o in plans[1].profile.overheads}
+    shape = read_shape(registry.resolve_model_path("embedded:smollm2-135m-instruct"))
+    assert lines["draft model weights"] == shape.weights_bytes
+    # The same model drafts: its pool is the model's, byte for byte.
+    assert lines["draft model KV"] == plans[0].kv_pool_bytes
+    assert lines["draft model compute buffer"] > 0
+    # Beside them, the model's logits buffer grows for the rows that check drafts.
+    before = {o.name: o.bytes for o in plans[0].profile.overheads}
+    assert lines["logits buffer"] > before["logits buffer"]
+    assert plans[1].total_bytes - plans[0].total_bytes == sum(
+        b for name, b in lines.items() if name.startswith("draft model")) + \
+        lines["logits buffer"] - before["logits buffer"]
