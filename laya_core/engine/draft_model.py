@@ -5,8 +5,8 @@ The draft model is a second backend of the replica's kind, loaded by the engine 
 model (:func:`load`), with a KV stream per sequence in its own pool (planned:
 ``memory.planner``). Before each step, :meth:`DraftModel.prepare` brings every decoding
 sequence's stream up to its text (the tokens since the first one its stream disagrees with:
-the whole prompt the first time, then the last sampled token, and any draft tokens the model
-did not keep are dropped), then decodes greedily, all sequences in one batch a round, as many
+the whole prompt the first time, a bounded chunk a step, then the last sampled token, and any
+draft tokens the model did not keep are dropped), then decodes greedily, all sequences in one batch a round, as many
 rounds as the longest draft asks. The step plan takes each sequence's draft as it takes a
 prompt lookup's (``step_plan``), and the backend verifies it the same way: a draft is a
 proposal of probability 1, so keeping the tokens the model itself samples is exact, greedy
@@ -52,8 +52,14 @@ class DraftModel:
         self._fed: dict[int, list[int]] = {}  # slot -> the tokens its KV holds
         self._max_seq_len = max_seq_len
         self._step_tokens = max_step_tokens
-        # What one sequence's first row of a round may feed: every sequence's fits a step.
-        self._tail = max(1, max_step_tokens // max_num_seqs)
+        # What one sequence's first row of a round may feed (a draft kept whole and the
+        # model's token after it are two): every sequence's fits a step together.
+        self._tail = max(1, min(8, max_step_tokens // max_num_seqs))
+        # The catch-up (a new sequence's prompt) one step may feed, all sequences together:
+        # a long prompt is fed over several steps, and the running sequences' steps go on
+        # meanwhile (a 400-token prompt is 3.4 s of the embedded model's compute as a
+        # draft on an AMX Xeon, whose llama.cpp runs Q4_1 rows without repacking).
+        self._catch_up_budget = max(self._tail, max_step_tokens // 16)
 
     def take_slot(self) -> int:
         slot = self._free.pop()
@@ -78,9 +84,16 @@ class DraftModel:
                 if drafter.length > 0 and room > 1:
                     drafters.append((drafter, [*seq.prompt_token_ids, *seq.output_token_ids],
                                      min(drafter.length, room - 1)))
-        if not drafters:
+        budget = self._catch_up_budget
+        ready = []
+        for drafter, tokens, k in drafters:
+            item, budget = self._catch_up(drafter, tokens, budget)
+            if item is not None:
+                ready.append((drafter, item, k))
+        if not ready:
             return
-        items = [self._catch_up(d, tokens) for d, tokens, _ in drafters]
+        drafters = [(d, [], k) for d, _, k in ready]
+        items = [item for _, item, _ in ready]
         rounds = max(k for _, _, k in drafters)
         active = list(range(len(drafters)))
         for r in range(rounds):
@@ -103,10 +116,12 @@ class DraftModel:
             if not active:
                 break
 
-    def _catch_up(self, drafter: ModelDrafter, tokens: list[int]) -> StepItem:
+    def _catch_up(self, drafter: ModelDrafter, tokens: list[int],
+                  budget: int) -> tuple[StepItem | None, int]:
         """The item that feeds the slot what its KV lacks of ``tokens`` and samples the first
-        draft token; a long catch-up (a prompt) is fed in step-sized chunks first, so that
-        every sequence's item fits one step together."""
+        draft token, and what is left of the step's catch-up ``budget``. A long catch-up (a
+        prompt) is fed first, a chunk of at most ``budget`` tokens a step, so that every
+        sequence's item fits one step together; None while it is not fed whole."""
         if drafter.slot < 0:
             drafter.slot = self.take_slot()
         slot, fed = drafter.slot, self._fed[drafter.slot]
@@ -114,12 +129,16 @@ class DraftModel:
         if keep < len(fed):
             self.backend.trim_sequence(slot, keep)
             del fed[keep:]
-        while len(tokens) - keep > self._tail:
-            chunk = tokens[keep:min(keep + self._step_tokens, len(tokens) - 1)]
-            self.backend.step([StepItem(slot, chunk, keep, False)])
-            fed.extend(chunk)
-            keep += len(chunk)
-        return StepItem(slot, tokens[keep:], keep, True)
+        if len(tokens) - keep > self._tail:
+            chunk = tokens[keep:min(keep + min(budget, self._step_tokens), len(tokens) - 1)]
+            if chunk:
+                self.backend.step([StepItem(slot, chunk, keep, False)])
+                fed.extend(chunk)
+                keep += len(chunk)
+                budget -= len(chunk)
+            if len(tokens) - keep > self._tail:
+                return None, budget
+        return StepItem(slot, tokens[keep:], keep, True), budget
 
     def close(self) -> None:
         self.backend.close()
