@@ -26,6 +26,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 QUESTIONS = ["What is the capital of France?", "How do I boil an egg?",
              "Tell me about the moon.", "Why is the sky blue?", "Who wrote Hamlet?",
@@ -86,6 +87,24 @@ def scaled(folder: Path, out: Path, alpha: float) -> Path:
     cfg["lora_alpha"] = alpha
     (out / "adapter_config.json").write_text(json.dumps(cfg))
     return out
+
+
+def generate(engine: Any, requests: list[tuple[list[int], str | None]],
+             max_tokens: int = 24) -> list[list[int]]:
+    """Greedy outputs of ``requests`` (prompt, adapter) on an ``Engine``, all submitted at
+    once."""
+    import asyncio
+
+    from laya_core.types import SamplingParams
+
+    async def one(ids: list[int], adapter: str | None) -> list[int]:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, lora=adapter)
+        return [t for e in [e async for e in engine.submit(ids, params)] for t in e.token_ids]
+
+    async def go() -> list[list[int]]:
+        return list(await asyncio.gather(*(one(ids, a) for ids, a in requests)))
+
+    return asyncio.run(go())
 
 
 def untrained(hf_dir: Path, out: Path) -> Path:

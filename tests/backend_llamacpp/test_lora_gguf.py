@@ -12,7 +12,6 @@ folder, naming the key."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ import numpy as np
 import openai
 import pytest
 from conftest import ServerProcess
-from lora_adapters import ANSWER, cached_adapters
+from lora_adapters import ANSWER, cached_adapters, generate
 
 from laya_core.backend import ModelConfig, StepItem
 from laya_core.builtin.model_paths import embedded_file
@@ -132,19 +131,6 @@ def engine(adapters: dict[str, Path]) -> Iterator[Engine]:
     assert d.wait_ready(120), d.engines[0].error
     yield d.engines[0]
     d.stop()
-
-
-def generate(engine: Engine, requests: list[tuple[list[int], str | None]],
-             max_tokens: int = 24) -> list[list[int]]:
-    """Greedy outputs of ``requests`` (prompt, adapter), all submitted at once."""
-    async def one(ids: list[int], adapter: str | None) -> list[int]:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, lora=adapter)
-        return [t for e in [e async for e in engine.submit(ids, params)] for t in e.token_ids]
-
-    async def go() -> list[list[int]]:
-        return list(await asyncio.gather(*(one(ids, a) for ids, a in requests)))
-
-    return asyncio.run(go())
 
 
 def prompt_ids(engine: Engine, question: str) -> list[int]:

@@ -9,7 +9,6 @@ with ``--lora`` lists the adapter and answers as it."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import time
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ from conftest import ServerProcess
 from laya_backend_torch.backend import TorchBackend
 from laya_backend_torch.lora import rows_by_adapter
 from laya_backend_torch.model import build_batch
-from lora_adapters import ANSWER, cached_adapters, chat, scaled
+from lora_adapters import ANSWER, cached_adapters, chat, generate, scaled
 from torch_fixtures import *  # noqa: F403 - the fixtures (torch_fixtures.py)
 from torch_fixtures import own_pool
 
@@ -33,7 +32,6 @@ from laya_core.engine.engine import Engine
 from laya_core.memory.planner import make_plan
 from laya_core.plugins import load_registry
 from laya_core.serving.deployment import Deployment
-from laya_core.types import SamplingParams
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               # PEFT 0.21 asks transformers a question its 5.x deprecates (the reference's
@@ -100,19 +98,6 @@ def logits(engine: Engine, ids: list[int], adapter: str | None) -> torch.Tensor:
         batch = build_batch([(ids, 0, list(range(-(-len(ids) // 16))))],
                             list(range(len(ids))), 16)
         return model.forward(batch, lora=lora)
-
-
-def generate(engine: Engine, requests: list[tuple[list[int], str | None]],
-             max_tokens: int = 24) -> list[list[int]]:
-    """Greedy outputs of ``requests`` (prompt, adapter), all submitted at once."""
-    async def one(ids: list[int], adapter: str | None) -> list[int]:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, lora=adapter)
-        return [t for e in [e async for e in engine.submit(ids, params)] for t in e.token_ids]
-
-    async def go() -> list[list[int]]:
-        return list(await asyncio.gather(*(one(ids, a) for ids, a in requests)))
-
-    return asyncio.run(go())
 
 
 def test_logits_with_the_adapter_agree_with_peft(engine: Engine, hf_model: Any,
