@@ -76,12 +76,14 @@ def test_rss_matches_the_ledger(dtype: str, reports: dict[str, dict[str, Any]]) 
     weights_ledger = ledger["weights_bytes"] + lines["vocabulary"]
     kv = stages["allocated"] - stages["weights"]
     step = stages["step_peak"] - stages["allocated"]
-    step_ledger = lines["step activations"] + lines["logits"]
+    step_own = lines["step activations"] + lines["logits"]
+    step_ledger = step_own + lines["heap kept"]
     print(f"\n{dtype}: torch runtime: RSS +{runtime / MIB:.1f} MiB, ledger "
           f"{runtime_ledger / MIB:.1f}; weights and tokenizer: RSS +{weights / MIB:.1f}, "
           f"ledger {weights_ledger / MIB:.1f}; KV pool: RSS +{kv / MIB:.1f}, ledger "
           f"{ledger['kv_pool_bytes'] / MIB:.1f}; largest step: peak +{step / MIB:.1f}, ledger "
-          f"{step_ledger / MIB:.1f} (activations and logits); pool full: +"
+          f"{step_ledger / MIB:.1f} (activations and logits {step_own / MIB:.1f}, heap kept "
+          f"{lines['heap kept'] / MIB:.1f}); pool full: +"
           f"{(stages['pool_full'] - stages['allocated']) / MIB:.1f}; process at its peaks: "
           f"load +{(stages['load_peak'] - stages['start']) / MIB:.1f}, steps "
           f"+{(stages['step_peak'] - stages['start']) / MIB:.1f} from laya imported, replica "
@@ -94,9 +96,12 @@ def test_rss_matches_the_ledger(dtype: str, reports: dict[str, dict[str, Any]]) 
     assert close(weights, weights_ledger, WEIGHTS_TOLERANCE)
     # The pool and the embedding scratch are both allocated, zeroed, at allocate_kv.
     assert close(kv, ledger["kv_pool_bytes"] + lines.get("embeddings", 0), KV_TOLERANCE)
-    # The largest step's activations and logits, at their peak, and what stays of them.
+    # The largest step's activations and logits at their peak, on what the steps before it
+    # left in the heap: 10 to 56 MiB in runs of this test, so the peak moves by that much
+    # from run to run. The plan holds the most the heap keeps, and the step's own lines are
+    # not overstated.
     assert step <= step_ledger * (1 + KV_TOLERANCE)
-    assert close(step, step_ledger, WEIGHTS_TOLERANCE)
+    assert step >= step_own * (1 - WEIGHTS_TOLERANCE)
     assert stages["pool_full"] - stages["allocated"] <= step_ledger
     # The process never above the plan, and its growth since laya was imported never above
     # the replica's ledger (within the KV pool's tolerance, as every line has its own):

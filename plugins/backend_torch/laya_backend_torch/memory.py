@@ -74,6 +74,12 @@ HISTORY_EXTRA_BYTES = 8
 # scores.
 SCORED_ROW_BYTES = 22
 SAMPLED_ROW_BYTES = 56
+# glibc's malloc raises its mmap threshold to the largest block freed after being mapped (at
+# most 32 MiB on 64-bit), so a step's float32 logits come from the heap after the first, and
+# its trim threshold to twice that: up to twice the block stays resident, free, at the heap's
+# top between steps, and the next step's peak stands on it (measured: 10 to 56 MiB left by
+# the steps before a scored chunk of 128 rows, whose float32 logits are 24 MiB).
+MMAP_THRESHOLD_MAX = 32 * MIB
 
 
 def planned_dtype(config: ModelConfig) -> str:
@@ -184,6 +190,13 @@ def logits_bytes(config: ModelConfig, vocab_size: int) -> tuple[int, int, int]:
     return row_bytes * vocab_size, sampled, scored
 
 
+def heap_kept_bytes(config: ModelConfig, vocab_size: int) -> int:
+    """What glibc may keep of the steps' freed memory, resident: twice the largest float32
+    block of logits a step frees, as far as it raises the mmap threshold."""
+    rows = max(sampled_rows_per_step(config), scored_tokens_per_step(config.max_step_tokens))
+    return 2 * min(rows * vocab_size * 4, MMAP_THRESHOLD_MAX)
+
+
 def load_transient_bytes(config: ModelConfig, c: LlamaConfig, weights: int,
                          vocabulary: int, quantize: str) -> int:
     """What the load holds for a moment above the loaded weights and tokenizer."""
@@ -222,6 +235,10 @@ def memory_profile(config: ModelConfig, shape: ModelShape) -> MemoryProfile:
         Overhead("logits", logits,
                  f"vocab x ({sampled} sampled rows x {SAMPLED_ROW_BYTES} B (logits, sampler) "
                  f"+ {scored} scored rows x {SCORED_ROW_BYTES} B (logits, log-softmax))"),
+        Overhead("heap kept", heap_kept_bytes(config, shape.vocab_size),
+                 "freed step memory the C library keeps resident below its trim threshold: "
+                 "twice a step's largest float32 logits (capped by the 32 MiB mmap "
+                 "threshold)"),
         # Allocated (zeroed) with the pool; an embedding's passes are no larger than a
         # step's, and run between steps, so their activations are the step's line.
         *([Overhead("embeddings", embed_cells(config) * kv_per_token,
