@@ -222,8 +222,9 @@ class Backend(abc.ABC):
     # Whether step() verifies drafts (``StepItem.draft``): speculative decoding.
     supports_speculative: ClassVar[bool] = False
     # Whether a second instance of the backend can run a draft model beside the model
-    # (speculative method "draft", laya_core/engine/draft_model.py): its KV is a stream per
-    # slot the engine hands out itself, with no cache policy's block tables.
+    # (speculative method "draft", laya_core/engine/draft_model.py), with no cache policy:
+    # on the streams layout its KV is a stream per slot the engine hands out (and trims with
+    # ``trim_sequence``); on the paged layout the engine hands out the pool's blocks itself.
     supports_draft_model: ClassVar[bool] = False
     # Whether the backend applies LoRA adapters (``ModelConfig.lora``) per sequence
     # (``SamplingParams.lora``): it loads each one with its weights and counts it in
@@ -370,8 +371,9 @@ class Backend(abc.ABC):
         ops prepare its stream."""
 
     def trim_sequence(self, seq_id: int, num_tokens: int) -> None:
-        """Drop sequence ``seq_id``'s KV from position ``num_tokens`` on (asked of a backend
-        with ``supports_draft_model``, whose draft instance keeps a stream per slot)."""
+        """Drop sequence ``seq_id``'s KV from position ``num_tokens`` on (asked of a
+        streams-layout backend with ``supports_draft_model``, whose draft instance keeps a
+        stream per slot)."""
         raise NotImplementedError(f"the {self.name} backend trims no sequence")
 
     @abc.abstractmethod

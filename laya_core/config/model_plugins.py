@@ -143,7 +143,7 @@ def _check_draft(backend_cls: Any, m: ModelConfig, path: str, i: int, registry: 
     assert spec is not None and spec.model is not None
     if not backend_cls.supports_draft_model:
         problems.add(f"models[{i}].speculative.method", f"the {m.backend} backend runs no "
-                     'draft model; use method = "ngram", or the llamacpp backend')
+                     'draft model; use method = "ngram", or the llamacpp or torch backend')
         return spec
     try:
         draft = _resolved_path(attrs.evolve(m, path=spec.model), i, registry)

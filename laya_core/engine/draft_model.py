@@ -14,6 +14,13 @@ or sampled (laya_core/engine/speculative.py).
 
 A draft's length follows what was kept: doubled (up to ``num_speculative_tokens``) when
 kept whole, else one more than what was kept.
+
+A draft backend of the streams layout (llama.cpp) keeps a stream per slot and trims it
+itself. One of the paged layout (torch) is handed its blocks by the draft model
+(:class:`_Blocks`): a slot's table grows with what it is fed and shrinks when it is trimmed.
+Its pool holds as many tokens as the model's, but a draft shares no prefix and runs a draft
+ahead, so it can run short; a sequence that finds no block then goes without a draft this
+step, which costs speed, never a token.
 """
 
 from __future__ import annotations
@@ -42,12 +49,42 @@ def draft_config(sizes: ModelConfig) -> ModelConfig:
                         speculative=None, lora={}, max_loras=None, embeddings=False)
 
 
+class _Blocks:
+    """A paged draft backend's pool, handed out per slot: ``tables[slot][i]`` holds the
+    slot's positions ``i * block_size ..``."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self.tables: dict[int, list[int]] = {}
+
+    def cover(self, slot: int, num_tokens: int) -> list[int] | None:
+        """The slot's table, grown to hold positions ``0 .. num_tokens - 1``; None (and the
+        table as it was) when the pool has too few blocks left."""
+        table = self.tables.setdefault(slot, [])
+        need = -(-num_tokens // self.block_size) - len(table)
+        if need > len(self._free):
+            return None
+        table += [self._free.pop() for _ in range(need)]
+        return table
+
+    def trim(self, slot: int, num_tokens: int) -> None:
+        """The slot's blocks past position ``num_tokens - 1`` go back to the pool."""
+        table = self.tables.setdefault(slot, [])
+        keep = -(-num_tokens // self.block_size)
+        self._free += reversed(table[keep:])
+        del table[keep:]
+
+
 class DraftModel:
     """The draft backend and which of its slots each sequence holds."""
 
     def __init__(self, backend: Backend, max_num_seqs: int, max_seq_len: int,
-                 max_step_tokens: int) -> None:
+                 max_step_tokens: int, kv_tokens: int = 0) -> None:
         self.backend = backend
+        # The paged layout's blocks (module docstring); None where the backend keeps streams.
+        self._blocks = _Blocks(kv_tokens // backend.block_size, backend.block_size) \
+            if backend.kv_layout == "paged" else None
         self._free = list(range(max_num_seqs - 1, -1, -1))
         self._fed: dict[int, list[int]] = {}  # slot -> the tokens its KV holds
         self._max_seq_len = max_seq_len
@@ -69,8 +106,24 @@ class DraftModel:
 
     def give_back(self, slot: int) -> None:
         self.backend.free_sequence(slot)
+        if self._blocks is not None:
+            self._blocks.trim(slot, 0)
         del self._fed[slot]
         self._free.append(slot)
+
+    def _trim(self, slot: int, num_tokens: int) -> None:
+        if self._blocks is not None:
+            self._blocks.trim(slot, num_tokens)  # what the KV holds past it is fed again
+        elif num_tokens < len(self._fed[slot]):
+            self.backend.trim_sequence(slot, num_tokens)
+
+    def _item(self, slot: int, tokens: list[int], start: int, sample: bool) -> StepItem | None:
+        """Feed ``tokens`` to ``slot`` from ``start``; None where its blocks do not fit."""
+        if self._blocks is None:
+            return StepItem(slot, tokens, start, sample)
+        table = self._blocks.cover(slot, start + len(tokens))
+        return None if table is None else StepItem(slot, tokens, start, sample,
+                                                   block_table=tuple(table))
 
     def prepare(self, running: Sequence[Request]) -> None:
         """Draft for every decoding sequence with a :class:`ModelDrafter` (module docstring)."""
@@ -104,14 +157,14 @@ class DraftModel:
                 assert result.sample is not None
                 token = result.sample.token_id
                 drafter.ready.append(token)
+                item = items[i]
+                self._fed[drafter.slot].extend(item.tokens)
                 if r + 1 < k:
-                    item = items[i]
-                    self._fed[drafter.slot].extend(item.tokens)
-                    items[i] = StepItem(drafter.slot, [token],
-                                        item.start_pos + len(item.tokens), True)
-                    nxt.append(i)
-                else:
-                    self._fed[drafter.slot].extend(items[i].tokens)
+                    following = self._item(drafter.slot, [token],
+                                           item.start_pos + len(item.tokens), True)
+                    if following is not None:
+                        items[i] = following
+                        nxt.append(i)
             active = nxt
             if not active:
                 break
@@ -127,18 +180,19 @@ class DraftModel:
         slot, fed = drafter.slot, self._fed[drafter.slot]
         keep = min(common_prefix_len(fed, tokens), len(tokens) - 1)
         if keep < len(fed):
-            self.backend.trim_sequence(slot, keep)
+            self._trim(slot, keep)
             del fed[keep:]
         if len(tokens) - keep > self._tail:
             chunk = tokens[keep:min(keep + min(budget, self._step_tokens), len(tokens) - 1)]
-            if chunk:
-                self.backend.step([StepItem(slot, chunk, keep, False)])
+            item = self._item(slot, chunk, keep, False) if chunk else None
+            if item is not None:
+                self.backend.step([item])
                 fed.extend(chunk)
                 keep += len(chunk)
                 budget -= len(chunk)
             if len(tokens) - keep > self._tail:
                 return None, budget
-        return StepItem(slot, tokens[keep:], keep, True), budget
+        return self._item(slot, tokens[keep:], keep, True), budget
 
     def close(self) -> None:
         self.backend.close()
@@ -189,4 +243,5 @@ def load(sizes: ModelConfig, backend_cls: type[Backend], vocabulary: Sequence[by
         backend.close()
         raise
     assert config.max_seq_len
-    return DraftModel(backend, config.max_num_seqs, config.max_seq_len, config.max_step_tokens)
+    return DraftModel(backend, config.max_num_seqs, config.max_seq_len, config.max_step_tokens,
+                      config.kv_cache_tokens)

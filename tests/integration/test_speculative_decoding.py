@@ -1,6 +1,6 @@
-"""Speculative decoding on the real model: prompt lookup on both backends, and a draft
-model on llama.cpp (the embedded model, 4-bit, drafting for a float16 copy of itself:
-tests/draft_models.py). The output with it is the output without it, greedy and seeded
+"""Speculative decoding on the real model: prompt lookup and a draft model on both backends
+(the embedded model, 4-bit, drafting for a float16 copy of itself: tests/draft_models.py;
+on torch the copy runs dense and the draft on the int4 kernel). The output with it is the output without it, greedy and seeded
 alike, alone and eight at a time; log-probabilities come with every token it keeps; and most
 of a copy's tokens are kept.
 
@@ -57,7 +57,7 @@ PROMPTS = [
 
 
 def start(kind: str, speculative: bool) -> tuple[Deployment, Engine]:
-    """A replica of ``kind``: a backend (prompt lookup), or "llamacpp-draft" (the float16
+    """A replica of ``kind``: a backend (prompt lookup), or "BACKEND-draft" (the float16
     copy, with the embedded model drafting)."""
     registry = load_registry()
     backend = kind.removesuffix("-draft")
@@ -83,7 +83,7 @@ class Pair:
     spec: Engine
 
 
-@pytest.fixture(scope="module", params=["llamacpp", "torch", "llamacpp-draft"])
+@pytest.fixture(scope="module", params=["llamacpp", "torch", "llamacpp-draft", "torch-draft"])
 def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     plain, spec = start(request.param, False), start(request.param, True)
     yield Pair(request.param.removesuffix("-draft"), plain[1], spec[1])

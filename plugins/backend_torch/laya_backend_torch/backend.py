@@ -45,6 +45,9 @@ class TorchBackend(Backend):
     kv_cache_dtypes = FLOAT_KV_DTYPES  # torch's float32, float16 and bfloat16
     supports_prompt_logprobs = True
     supports_speculative = True
+    # A second instance runs the draft model, its pool's blocks handed out by the engine's
+    # draft model (laya_core/engine/draft_model.py).
+    supports_draft_model = True
     supports_lora = True  # per row: one step mixes adapters (lora.py)
     supports_embeddings = True
     embeds_in_chunks = True  # embed_step: chunks of inputs, several inputs a pass

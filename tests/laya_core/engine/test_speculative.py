@@ -8,7 +8,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from toy_backend import shared_prefix_workload, started_engine
+from toy_backend import PLUGIN, shared_prefix_workload, started_engine
 
 from laya_core.backend import ModelConfig
 from laya_core.config import manifest as mf
@@ -129,7 +129,7 @@ def test_a_bad_table_names_its_key(table: dict[str, object], key: str, says: str
 def test_a_draft_model_is_resolved_and_checked_naming_its_key(tmp_path: Path) -> None:
     """A draft model's path is relative to the manifest and resolved as a model's; a file
     that is not there, or a backend that runs no draft model, is refused naming the key."""
-    registry = load_registry()
+    registry = load_registry([PLUGIN])  # the toy backend runs no draft model
 
     def resolved(backend: str, model: str) -> ModelConfig:
         data = {"models": [{"name": "m", "backend": backend,
@@ -143,8 +143,26 @@ def test_a_draft_model_is_resolved_and_checked_naming_its_key(tmp_path: Path) ->
         resolved("llamacpp", "draft.gguf")
     assert e.value.key == "models[0].speculative.model" and str(tmp_path) in e.value.message
     with pytest.raises(ManifestError) as e:
-        resolved("torch", "embedded:smollm2-135m-instruct")
+        resolved("toy", "embedded:smollm2-135m-instruct")
     assert e.value.key == "models[0].speculative.method" and "no draft model" in str(e.value)
+
+
+def test_a_paged_draft_pool_hands_out_blocks_per_slot_and_takes_them_back() -> None:
+    """A paged draft backend's blocks (draft_model._Blocks): a slot's table grows to cover
+    what it is fed, a trim gives back the blocks past it, and a slot that would need more
+    blocks than are left gets none (its sequence goes without a draft) and keeps its own."""
+    from laya_core.engine.draft_model import _Blocks
+
+    blocks = _Blocks(num_blocks=4, block_size=16)
+    assert blocks.cover(0, 17) == [0, 1]
+    assert blocks.cover(0, 32) == [0, 1]  # already covered
+    assert blocks.cover(1, 20) == [2, 3]
+    assert blocks.cover(1, 33) is None and blocks.tables[1] == [2, 3]  # none left
+    blocks.trim(0, 10)  # positions 0-9 stay: one block
+    assert blocks.tables[0] == [0] and blocks.cover(1, 33) == [2, 3, 1]
+    blocks.trim(0, 0)
+    blocks.trim(1, 0)
+    assert blocks.cover(2, 64) is not None and sorted(blocks.tables[2]) == [0, 1, 2, 3]
 
 
 def test_a_draft_grows_while_kept_whole_and_shrinks_to_what_was_kept() -> None:
