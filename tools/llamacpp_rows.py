@@ -1,0 +1,93 @@
+"""What llama.cpp's several-row batches cost and compute, against one-row decodes.
+
+For each GGUF file: prompt processing of 512 tokens (tok/s), one decode at position 400
+(ms), a check of a 5-row draft at the same position (ms, and its ratio to one decode), and,
+with ``--rows``, how far each row of a batch at positions 400-408 is from the same token
+decoded alone (the largest logit difference; 0.0 is bit-identical). Speculative decoding on
+llama.cpp pays where a check costs little more than a decode, and is exact token for token
+where the rows are bit-identical (docs/benchmarks.md, 2026-12-04).
+
+    python tools/llamacpp_rows.py [--rows] [--flash-attn] FILE.gguf ...
+
+Runs the llama-cpp-python this interpreter imports (PYTHONPATH can point at another build).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+TEXT = b"def f(x):\n    return x + 1\nclass A:\n    pass\n" * 60
+
+
+class Rows:
+    def __init__(self, path: str, flash_attn: bool) -> None:
+        import llama_cpp
+        from llama_cpp import Llama
+
+        self.lib = llama_cpp
+        self.model = Llama(path, n_ctx=1024, n_batch=512, n_threads=2, verbose=False,
+                           flash_attn=flash_attn)
+        self.ctx = self.model._ctx.ctx
+        self.vocab = self.model.n_vocab()
+        self.tokens = self.model.tokenize(TEXT)[:512]
+        self.batch = llama_cpp.llama_batch_init(512, 0, 1)
+
+    def decode(self, start: int, count: int, every_row: bool = False) -> float:
+        """Feed tokens ``start .. start + count`` after dropping the KV from ``start``; the
+        seconds the decode took."""
+        lib, b = self.lib, self.batch
+        lib.llama_memory_seq_rm(lib.llama_get_memory(self.ctx), 0, start, -1)
+        b.n_tokens = count
+        for i in range(count):
+            b.token[i], b.pos[i], b.n_seq_id[i] = self.tokens[start + i], start + i, 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = 1 if every_row or i == count - 1 else 0
+        t = time.perf_counter()
+        if lib.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
+        return time.perf_counter() - t
+
+    def logits(self, row: int) -> list[float]:
+        import numpy as np
+
+        out = self.lib.llama_get_logits_ith(self.ctx, row)
+        return np.ctypeslib.as_array(out, shape=(self.vocab,)).copy()
+
+    def timings(self) -> str:
+        pp = statistics.median(self.decode(0, 512) for _ in range(5))
+        self.decode(0, 400)
+        one = statistics.median(self.decode(400, 1) for _ in range(30))
+        check = statistics.median(self.decode(400, 5, every_row=True) for _ in range(20))
+        return (f"pp512 {512 / pp:7.1f} tok/s  decode {one * 1000:6.2f} ms  "
+                f"5-row check {check * 1000:6.2f} ms ({check / one:.2f}x)")
+
+    def row_differences(self, rows: int = 9) -> list[float]:
+        import numpy as np
+
+        self.decode(0, 400)
+        alone = []
+        for i in range(rows):
+            self.decode(400 + i, 1)
+            alone.append(self.logits(0))
+        self.decode(400, rows, every_row=True)
+        return [round(float(np.abs(self.logits(i) - alone[i]).max()), 4) for i in range(rows)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+")
+    parser.add_argument("--rows", action="store_true", help="compare a batch's rows too")
+    parser.add_argument("--flash-attn", action="store_true")
+    args = parser.parse_args()
+    for path in args.files:
+        rows = Rows(path, args.flash_attn)
+        print(f"{path.rsplit('/', 1)[-1]:40s} {rows.timings()}", flush=True)
+        if args.rows:
+            print(f"{'':40s} rows of a 9-row batch, largest logit difference to one row:"
+                  f" {rows.row_differences()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
