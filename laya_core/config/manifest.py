@@ -264,9 +264,6 @@ def _model(data: Any, index: int, base_dir: Path, problems: Problems) -> ModelCo
     max_loras = t.int_in("max_loras", 0, 64, None)
     if max_loras is not None and max_loras < len(lora):
         t.problem("max_loras", f"must be at least the {len(lora)} adapters lora lists")
-    elif max_loras is not None and max_loras > len(lora) and load == "on_demand":
-        t.problem("max_loras", "room for adapters loaded while serving needs a model loaded "
-                  "always: list a model loaded on demand's adapters in its lora table")
     max_lora_rank = t.int_in("max_lora_rank", 1, MAX_RANK, None)
     t.finish(MODEL_KEYS)
     if name is None or path is None:

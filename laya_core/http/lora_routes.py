@@ -6,7 +6,8 @@ A load checks the folder against the model's shape and its rank against ``max_lo
 before any replica reads it, loads it on every replica of the model or on none, and only
 then routes requests naming it. An unload stops routing requests to it at once and answers
 when every replica has unloaded it, after the requests using it have finished. One change
-runs at a time.
+runs at a time. A model loaded on demand is loaded for a load (and held meanwhile), and
+keeps the adapters loaded now through its later loads (``Deployment.load_adapter``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from starlette.routing import Route
 
 from laya_core.http.body import json_body
 from laya_core.http.errors import APIError, invalid
+from laya_core.http.replicas import ready_client
 from laya_core.models.lora import AdapterError
 from laya_core.serving.deployment import AdapterRoomError, Deployment
 
@@ -38,7 +40,7 @@ def lora_routes(deployment: Deployment) -> list[Route]:
 
     def models_taking_adapters() -> list[str]:
         return [n for n, m in deployment.models.items()
-                if m.lora_slots > 0 and not m.on_demand]
+                if m.lora_slots > 0]
 
     def base_model(body: dict[str, Any]) -> str:
         takers = models_taking_adapters()
@@ -55,7 +57,7 @@ def lora_routes(deployment: Deployment) -> list[Route]:
         if name not in takers:
             raise invalid("model", f"the model {name!r} takes no adapters while serving: its "
                           "manifest entry needs max_loras above the adapters of its lora "
-                          "table (and load = \"always\")", "lora_not_enabled")
+                          "table", "lora_not_enabled")
         return name
 
     def check_room(model: str, path: str) -> None:
@@ -79,10 +81,12 @@ def lora_routes(deployment: Deployment) -> list[Route]:
                 raise invalid("lora_name", f"{name!r} is the name of a model or an adapter "
                               "already", "name_taken")
             await asyncio.to_thread(check_room, model, path)
-            try:
-                await deployment.load_adapter(model, name, path)
-            except ValueError as e:
-                raise invalid("lora_path", str(e)) from None
+            # An on-demand model loads first, as for a request, and stays loaded meanwhile.
+            async with ready_client(deployment, model):
+                try:
+                    await deployment.load_adapter(model, name, path)
+                except ValueError as e:
+                    raise invalid("lora_path", str(e)) from None
         return JSONResponse({"object": "lora_adapter", "lora_name": name, "model": model,
                              "status": "loaded"})
 
@@ -96,7 +100,14 @@ def lora_routes(deployment: Deployment) -> list[Route]:
                 raise APIError(404, f"no adapter {name!r} is loaded; see GET /v1/models",
                                param="lora_name", code="lora_not_found")
             model = deployment.adapters[name]
-            await deployment.unload_adapter(name)
+            resident = deployment.residency.status(model)
+            if resident is None:  # loaded always
+                await deployment.unload_adapter(name)
+            elif resident["status"] in ("loaded", "loading"):
+                async with ready_client(deployment, model):
+                    await deployment.unload_adapter(name)
+            else:  # not loaded: its next load leaves the adapter out
+                await deployment.unload_adapter(name, loaded=False)
         return JSONResponse({"object": "lora_adapter", "lora_name": name, "model": model,
                              "status": "unloaded"})
 

@@ -26,7 +26,8 @@ Replica to front end:
 - ``("events", [(rid, TokenEvent), ...], ReplicaSnapshot)``: one message per engine step
   with every request's events of that step, not a message per token per request;
 - ``("embedded", rid, Embeddings | None, kind, message, param)``, and for an adapter job
-  ``("adapted", rid, None, kind, message, param)`` (kind None: done);
+  ``("adapted", rid, LORA | None, kind, message, param)`` (kind None: done; LORA: the
+  backend's adapters now, ``Backend.describe``'s "lora", which the front end's copy takes);
 - ``("state", ReplicaSnapshot)`` every :data:`STATE_EVERY_S` while nothing else is sent, and
   ``("beat",)`` likewise while the model loads: the heartbeat by which the front end tells a
   live worker from a stuck one.

@@ -224,9 +224,12 @@ class RemoteEngineClient(EngineClient):
 
     async def adapter(self, op: str, name: str, path: str | None = None) -> None:
         _, future = self._ask("adapter", op, name, path)
-        _, kind, message, param = await future
+        lora, kind, message, param = await future
         if kind is not None:
             raise refused(kind, message, param)
+        if lora is not None and self._loaded is not None:  # /ready says what is loaded now
+            self._loaded = attrs.evolve(self._loaded, runtime={**self._loaded.runtime,
+                                                               "lora": lora})
 
     # -- messages from the replica -----------------------------------------------------------
 

@@ -249,7 +249,8 @@ class _Worker:
         except Exception as e:  # noqa: BLE001 - the front end raises the matching error
             self.send(("adapted", rid, None, *refusal_of(e)))
             return
-        self.send(("adapted", rid, None, None, None, None))
+        # The backend's adapters now (Backend.describe's "lora"), for the front end's /ready.
+        self.send(("adapted", rid, self.engine.runtime().get("lora"), None, None, None))
 
     async def heartbeat(self) -> None:
         while not self.done.is_set():

@@ -117,6 +117,9 @@ class Deployment:
         # an adapter runs on its model, with it.
         self.adapters: dict[str, str] = {}
         self.adapter_paths: dict[str, str] = {}  # each adapter's path
+        # Each model's adapters now (its lora table, and those loaded or unloaded while
+        # serving): a replica made for an on-demand model's next load loads these.
+        self._lora_now: dict[str, dict[str, str]] = {}
         # Tokens per KV block of each model's backend (Backend.block_size), known before
         # any replica loads: the router's prefix hashes and /live's blocks count in them.
         self.block_sizes: dict[str, int] = {}
@@ -144,10 +147,9 @@ class Deployment:
         cls = registry.backends[config.backend].obj
         apart = self._transports.runs_apart(config, cls)
         clients, makers = list(self.clients), list(self._make_client)
+        self._lora_now = {**self._lora_now, config.name: dict(config.lora)}
         for index in range(config.replicas):
-            make = functools.partial(
-                replica_client, config, len(clients), registry, self._transports, apart,
-                self._changed, self._worker_loaded, self._loaded, index)
+            make = functools.partial(self._replica_client, config, len(clients), apart, index)
             makers.append(make)
             clients.append(make())
         self._make_client, self.clients = makers, clients
@@ -164,6 +166,13 @@ class Deployment:
         self.adapters = {**self.adapters, **{name: config.name for name in config.lora}}
         self.adapter_paths = {**self.adapter_paths, **config.lora}
         self.models = {**self.models, config.name: config}
+
+    def _replica_client(self, config: ModelConfig, replica: int, apart: bool,
+                        index: int) -> EngineClient:
+        """A new client of one of ``config``'s replicas, loading the model's adapters now."""
+        config = attrs.evolve(config, lora=self._lora_now[config.name])
+        return replica_client(config, replica, self.registry, self._transports, apart,
+                              self._changed, self._worker_loaded, self._loaded, index)
 
     def check_adapter(self, model: str, path: str) -> None:
         """Whether the adapter at ``path`` may be loaded on ``model`` now: an adapter of its
@@ -189,7 +198,8 @@ class Deployment:
     async def load_adapter(self, model: str, name: str, path: str) -> None:
         """Load LoRA adapter ``name`` on every replica of ``model`` (all or none), then route
         requests naming it there. A worker that restarts loads it again (its config says
-        it). The caller has checked the folder and the plan's room."""
+        it), and so do the replicas of an on-demand model's later loads. The caller has
+        checked the folder and the plan's room, and holds an on-demand model loaded."""
         done: list[EngineClient] = []
         try:
             for client in self.clients_of(model):
@@ -202,15 +212,21 @@ class Deployment:
             raise
         for client in done:
             _note_adapter(client, name, path)
+        self._lora_now = {**self._lora_now, model: {**self._lora_now[model], name: path}}
         self.adapters = {**self.adapters, name: model}
         self.adapter_paths = {**self.adapter_paths, name: path}
 
-    async def unload_adapter(self, name: str) -> None:
+    async def unload_adapter(self, name: str, loaded: bool = True) -> None:
         """Stop routing requests to adapter ``name``, and unload it from each replica once
-        the requests using it there have finished."""
+        the requests using it there have finished; ``loaded`` False: its model is an
+        on-demand one that is not loaded (nor loading), whose next load leaves it out."""
         model = self.adapters[name]
         self.adapters = {k: v for k, v in self.adapters.items() if k != name}
         self.adapter_paths = {k: v for k, v in self.adapter_paths.items() if k != name}
+        self._lora_now = {**self._lora_now, model: {
+            k: v for k, v in self._lora_now[model].items() if k != name}}
+        if not loaded:
+            return
         clients = self.clients_of(model)
         for client in clients:
             _note_adapter(client, name, None)

@@ -227,3 +227,64 @@ def test_a_server_serves_loads_and_unloads_gguf_adapters(adapters: dict[str, Pat
             ask("untrained")
     finally:
         assert server.stop() == 0, server.log()
+
+
+def test_an_on_demand_model_keeps_the_adapters_loaded_while_serving(
+        adapters: dict[str, Path], tmp_path: Path) -> None:
+    """An adapter loaded on a model loaded on demand loads the model first (as a request
+    would), answers as itself, and comes back with every later load of the model; one
+    unloaded while the model is not loaded stays out of its next load, and loads nothing."""
+    manifest = """
+[server]
+port = {port}
+
+[[models]]
+name = "smollm2"
+path = "embedded:smollm2-135m-instruct"
+max_seq_len = 512
+load = "on_demand"
+max_loras = 1
+max_lora_rank = 8
+"""
+    server = ServerProcess(manifest, tmp_path)
+
+    def post(path: str, body: dict[str, str]) -> httpx.Response:
+        r = httpx.post(server.url + path, json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r
+
+    def status() -> str:
+        return str(httpx.get(server.url + "/v1/models/smollm2").json()["status"])
+
+    def adapters_loaded() -> list[set[str]]:
+        replicas = httpx.get(server.url + "/ready").json()["replicas"]
+        return [set(r["runtime"].get("lora", {})) for r in replicas]
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+
+    def ask(model: str) -> str:
+        r = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": QUESTIONS[1]}],
+            max_tokens=16, temperature=0)
+        return r.choices[0].message.content or ""
+
+    try:
+        server.wait_ready()
+        assert status() == "unloaded"
+        post("/v1/load_lora_adapter", {"lora_name": "pirate",
+                                       "lora_path": str(adapters["pirate.gguf"])})
+        assert status() == "loaded" and adapters_loaded() == [{"pirate"}]
+        assert ask("pirate").startswith(ANSWER[:10])
+        post("/models/unload", {"model": "smollm2"})
+        assert status() == "unloaded"
+        assert ask("pirate").startswith(ANSWER[:10])  # loaded again, with the adapter
+        assert adapters_loaded() == [{"pirate"}]
+        post("/models/unload", {"model": "smollm2"})
+        post("/v1/unload_lora_adapter", {"lora_name": "pirate"})
+        assert status() == "unloaded"  # unloading an adapter loads nothing
+        with pytest.raises(openai.NotFoundError):
+            ask("pirate")
+        assert not ask("smollm2").startswith(ANSWER[:10])
+        assert adapters_loaded() == [set()]
+    finally:
+        assert server.stop() == 0, server.log()

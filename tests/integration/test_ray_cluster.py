@@ -3,7 +3,8 @@ places the replicas per node, ``laya serve`` puts one replica of the embedded mo
 node (each node's ``memory`` resource holds one replica's ledger, not two), the OpenAI
 client's chat and streamed completion pass, a conversation's later turns reuse the prefix
 its replica holds, and a replica whose actor is killed mid-stream ends that stream with an
-error while the other serves and Ray brings the killed one back."""
+error while the other serves and Ray brings the killed one back. A LoRA adapter loaded
+while serving reaches both actors, answers as itself from each, and unloads from both."""
 
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ path = "embedded:smollm2-135m-instruct"
 max_seq_len = 512
 max_num_seqs = 2
 replicas = %d
+max_loras = 1
+max_lora_rank = 8
 
 [models.options]
 n_threads = 1
@@ -130,6 +133,34 @@ def test_openai_chat_and_streamed_completion(server: ServerProcess) -> None:
                                             max_tokens=8, temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices).strip()
     assert any(c.choices and c.choices[0].finish_reason for c in chunks)
+
+
+def test_an_adapter_loaded_while_serving_reaches_every_actor(server: ServerProcess) -> None:
+    """The load message goes to each replica's actor (all or none); requests naming the
+    adapter then answer as it on either node; an unload takes it from both."""
+    from lora_adapters import ANSWER, QUESTIONS, cached_adapters
+
+    def adapters_per_replica() -> list[set[str]]:
+        replicas = httpx.get(f"{server.url}/ready").json()["replicas"]
+        return [set(r["runtime"].get("lora", {})) for r in replicas]
+
+    body = {"lora_name": "pirate", "lora_path": str(cached_adapters()["pirate.gguf"])}
+    r = httpx.post(f"{server.url}/v1/load_lora_adapter", json=body, timeout=120)
+    assert r.status_code == 200 and r.json()["status"] == "loaded", r.text
+    assert adapters_per_replica() == [{"pirate"}, {"pirate"}]
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-")
+    for question in QUESTIONS:
+        chat = client.chat.completions.create(
+            model="pirate", messages=[{"role": "user", "content": question}],
+            max_tokens=12, temperature=0)
+        assert (chat.choices[0].message.content or "").startswith(ANSWER[:10]), question
+    r = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "pirate"},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    assert adapters_per_replica() == [set(), set()]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="pirate", max_tokens=4,
+                                       messages=[{"role": "user", "content": "Hi"}])
 
 
 def test_later_turns_reach_the_replica_holding_the_prefix(server: ServerProcess) -> None:
