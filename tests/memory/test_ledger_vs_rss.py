@@ -51,3 +51,33 @@ def test_rss_growth_matches_the_ledger(layout: str, q4_0_model: str) -> None:
     # Filling the pool also touches the compute buffer, which the ledger counts on its own.
     assert in_use_growth <= (kv_ledger + overheads["compute buffer"]) * (1 + KV_TOLERANCE)
     assert stages["pool_full"] <= plan["total_bytes"]
+
+
+def test_a_draft_models_lines_match_its_rss() -> None:
+    """The embedded model drafting for its float16 copy (tests/draft_models.py): loading the
+    draft as the engine does grows RSS by its weights, vocabulary, KV pool and logits lines,
+    and filling its pool stays within those and its compute buffer; the whole process
+    stays within the plan."""
+    from draft_models import f16_copy
+
+    model = {**MODEL, "path": str(f16_copy()), "speculative": {
+        "method": "draft", "model": "embedded:smollm2-135m-instruct"}}
+    script = Path(__file__).with_name("rss_stages.py")
+    out = subprocess.run([sys.executable, str(script), json.dumps({"models": [model]})],
+                         capture_output=True, text=True, timeout=300, check=True)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    stages, plan = report["stages"], report["plan"]
+    (ledger,) = plan["replicas"]
+    lines = {o["name"]: o["bytes"] for o in ledger["overheads"]}
+    loaded = sum(lines[f"draft model {name}"] for name in ("weights", "KV", "vocabulary",
+                                                           "logits buffer"))
+    full = loaded + lines["draft model compute buffer"]
+    growth = stages["draft"] - stages["pool_full"]
+    full_growth = stages["draft_full"] - stages["pool_full"]
+    mib = 2**20
+    print(f"\ndraft model: loaded +{growth / mib:.1f} MiB, lines {loaded / mib:.1f} MiB; pool "
+          f"full +{full_growth / mib:.1f} MiB, with the compute buffer {full / mib:.1f} MiB;"
+          f" process {stages['draft_full'] / mib:.1f} MiB, plan {plan['total_bytes'] / mib:.1f}")
+    assert abs(growth - loaded) <= WEIGHTS_TOLERANCE * loaded
+    assert full_growth <= full * (1 + KV_TOLERANCE)
+    assert stages["draft_full"] <= plan["total_bytes"]
