@@ -45,7 +45,7 @@ from laya_core.engine.speculative import NgramDrafter, SpeculativeStats
 from laya_core.engine.state import EngineState, EngineUnavailableError, QueueFullError
 from laya_core.engine.stream import ADMITTED, Courier, EventSink, GenerationStream, deliver
 from laya_core.kv.policies import KVCache, KVOp
-from laya_core.memory.ledger import sizes_for
+from laya_core.memory.ledger import default_kv_bytes_per_token, sizes_for
 from laya_core.models.tokenizer import Tokenizer
 from laya_core.types import FinishReason, Sample, SamplingParams, TokenEvent, Usage
 
@@ -267,7 +267,9 @@ class Engine:
         self.tokenizer = self.backend.tokenizer()
         # A planned config has every size decided; a hand-made one is decided here by the
         # same computation as `laya plan`'s.
-        self.sizes = sizes = sizes_for(self.config, self.info.n_ctx_train)
+        n_ctx = self.info.n_ctx_train
+        self.sizes = sizes = sizes_for(self.config, n_ctx, default_kv_bytes_per_token(
+            self.config, type(self.backend), n_ctx))
         assert sizes.max_seq_len
         self.max_seq_len = sizes.max_seq_len
         self.scheduler = build_scheduler(self.config, sizes, self.backend,

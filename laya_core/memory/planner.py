@@ -166,11 +166,20 @@ def make_plan(manifest: Manifest, registry: Registry, serving: bool = False) -> 
             continue
         configs.append((decided, shape, cls))
     problems.raise_if_any()
-    plan = _plan_for(configs, budget_mod.detect(manifest.memory.budget_bytes), processes)
+    budget = budget_mod.detect(manifest.memory.budget_bytes)
+    # (Every model made it into configs: a problem raised above.)
+    roomy = _plan_for([(decide_sizes(m, shape, cls), shape, cls) for m, (_, shape, cls)
+                       in zip(manifest.models, configs, strict=True)], budget, processes)
+    # Sized as a loaded engine sizes them: the default's 8 sequences where their KV is small
+    # (ledger.default_num_seqs); where that plan does not fit, the fixed default's 4.
+    if roomy.fits:
+        return roomy
+    plan = _plan_for(configs, budget, processes)
     if plan.fits:
         return plan
     return attrs.evolve(plan, suggestions=tuple(_suggestions(configs, plan.budget,
                                                              processes)))
+
 
 
 def plan_added(plan: Plan, config: ModelConfig, registry: Registry) -> Plan:
@@ -182,10 +191,15 @@ def plan_added(plan: Plan, config: ModelConfig, registry: Registry) -> Plan:
         shape = cls.model_shape(config.path)
     except ModelFileError as e:
         raise ValueError(str(e)) from None
-    ledgers = _ledgers([(decide_sizes(config, shape), shape, cls)], plan.processes)
+    decided = decide_sizes(config, shape)
     first = len(plan.replicas)
-    added = tuple(attrs.evolve(r, replica=first + i) for i, r in enumerate(ledgers))
-    return attrs.evolve(plan, replicas=(*plan.replicas, *added), suggestions=())
+    for sized in (decide_sizes(config, shape, cls), decided):
+        ledgers = _ledgers([(sized, shape, cls)], plan.processes)
+        added = tuple(attrs.evolve(r, replica=first + i) for i, r in enumerate(ledgers))
+        grown = attrs.evolve(plan, replicas=(*plan.replicas, *added), suggestions=())
+        if grown.fits:
+            break
+    return grown
 
 
 def decided_manifest(manifest: Manifest, plan: Plan) -> Manifest:

@@ -122,13 +122,34 @@ def test_kv_cache_tokens_decides_the_number_of_sequences(tmp_path: Path) -> None
     assert info.value.key == "models[0].kv_cache_tokens"
 
 
+def test_the_default_runs_8_sequences_only_where_their_kv_is_small_and_fits(
+        tmp_path: Path) -> None:
+    """Neither max_num_seqs nor kv_cache_tokens: 8 sequences where their pool is at most
+    2 GiB and the plan fits with them (the embedded model: 8 x 4096 x 22.5 KiB = 720 MiB);
+    4 for a 7B model (8 x 4096 x 512 KiB would be 16 GiB), and 4 where the budget holds 4
+    and not 8; what the manifest sets is kept."""
+    embedded = {"name": "m", "path": "embedded:smollm2-135m-instruct"}
+    (r,) = plan_of([embedded]).replicas
+    assert r.config.max_num_seqs == 8 and r.kv_pool_bytes == 720 * 2**20
+    (r,) = plan_of([{"name": "big", "path": str(hf_folder(tmp_path, LLAMA_7B)),
+                     "backend": "llamacpp"}], budget="256GiB").replicas
+    assert r.config.max_num_seqs == 4 and r.kv_pool_bytes == 8 * 2**30
+    roomy, default = (plan_of([{**embedded, "max_num_seqs": n}]).total_bytes for n in (8, 4))
+    between = (roomy + default) // 2  # a budget with room for 4 sequences, not for 8
+    (r,) = plan_of([embedded], budget=str(between)).replicas
+    assert r.config.max_num_seqs == 4
+    (r,) = plan_of([{**embedded, "max_num_seqs": 2}]).replicas
+    assert r.config.max_num_seqs == 2
+
+
 def test_default_max_seq_len_is_the_smaller_of_4096_and_the_models(tmp_path: Path) -> None:
     plan = plan_of([{"name": "m", "path": "embedded:smollm2-135m-instruct"},
                     {"name": "short", "backend": "other",
                      "path": str(hf_folder(tmp_path, {**LLAMA_7B,
                                                       "max_position_embeddings": 2048}))}])
     assert [r.max_seq_len for r in plan.replicas] == [4096, 2048]
-    assert [r.config.max_num_seqs for r in plan.replicas] == [4, 4]
+    # 8 x 4096 tokens of the embedded model's KV is 720 MiB; the 7B's 8 x 2048 is 8 GiB.
+    assert [r.config.max_num_seqs for r in plan.replicas] == [8, 4]
 
 
 def test_ray_asks_for_the_threads_the_backend_says_a_replica_uses() -> None:
