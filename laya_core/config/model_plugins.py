@@ -131,6 +131,14 @@ def resolve_model(m: ModelConfig, i: int, registry: Any, need_backends: bool,
     if spec is not None and spec.method == "draft" and backend and need_backends:
         m = attrs.evolve(m, speculative=_check_draft(backend.obj, m, path, i, registry,
                                                      problems))
+    elif spec is not None and spec.method == "draft" and spec.model is not None:
+        # A plan made without the backends' checks (laya plan) still reads the draft's file.
+        try:
+            draft = _resolved_path(attrs.evolve(m, path=spec.model), i, registry)
+        except ManifestError as e:
+            problems.add(f"models[{i}].speculative.model", e.message)
+        else:
+            m = attrs.evolve(m, speculative=attrs.evolve(spec, model=draft))
     return attrs.evolve(m, path=path)
 
 

@@ -67,6 +67,20 @@ def test_plan_text_uses_binary_units_and_fits_the_embedded_model() -> None:
     assert "fits:" in out.stdout
 
 
+@pytest.mark.parametrize("backend", ["llamacpp", "torch"])
+def test_plan_reads_a_draft_models_file(tmp_path: Path, backend: str) -> None:
+    """`laya plan` resolves a draft model's path (here `embedded:`) as `laya serve` does,
+    and prices its weights."""
+    manifest = tmp_path / "laya.toml"
+    manifest.write_text(f'[[models]]\nname = "m"\nbackend = "{backend}"\n'
+                        'path = "embedded:smollm2-135m-instruct"\nmax_seq_len = 512\n'
+                        'speculative = { method = "draft", '
+                        'model = "embedded:smollm2-135m-instruct" }\n')
+    out = laya("plan", str(manifest))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "draft model weights" in out.stdout and "draft model KV" in out.stdout
+
+
 def test_serve_refuses_with_numbers_and_settings_that_fit(tmp_path: Path) -> None:
     # 1.2 GiB for the model, 64 MiB for the chat-template sandbox the runtime counts,
     # 30 MiB for the logits of scored prompt rows, 236 MiB of saved KV (a quarter of the
