@@ -55,9 +55,10 @@ def test_check_a_gguf_file_names_it_by_its_stem_and_prints_decided_sizes(gguf: s
     assert out.returncode == 0, out.stderr
     got = settings(out)
     assert got["name"] == "SmolLM2-135M-Instruct.Q4_1"
-    # Decided by the plan, never "None": 4 sequences of min(4096, the model's 8192).
-    assert got["max_num_seqs"] == "4" and got["max_seq_len"] == "4096"
-    assert got["kv_cache_tokens"] == str(4 * 4096)
+    # Decided by the plan, never "None": 8 sequences (their KV pool, 720 MiB, is within the
+    # default's 2 GiB) of min(4096, the model's 8192).
+    assert got["max_num_seqs"] == "8" and got["max_seq_len"] == "4096"
+    assert got["kv_cache_tokens"] == str(8 * 4096)
 
 
 def test_every_problem_of_a_manifest_in_one_run(tmp_path: Path) -> None:
