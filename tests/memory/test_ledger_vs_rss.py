@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,19 +23,25 @@ WEIGHT_LAYOUTS = {"q4_1-auto": ("embedded", {}), "q4_0-auto": ("q4_0", {}),
                   "q4_0-no-repack": ("q4_0", {"repack": False})}
 
 
+def rss_report(model: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, int]]:
+    """rss_stages.py's report for one model, run in a process of its own; its replica's
+    ledger; and that ledger's overhead lines by name."""
+    script = Path(__file__).with_name("rss_stages.py")
+    out = subprocess.run([sys.executable, str(script), json.dumps({"models": [model]})],
+                         capture_output=True, text=True, timeout=300, check=True)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    (ledger,) = report["plan"]["replicas"]
+    return report, ledger, {o["name"]: o["bytes"] for o in ledger["overheads"]}
+
+
 @pytest.mark.parametrize("layout", WEIGHT_LAYOUTS)
 def test_rss_growth_matches_the_ledger(layout: str, q4_0_model: str) -> None:
     source, options = WEIGHT_LAYOUTS[layout]
     model = {**MODEL, "options": options}
     if source == "q4_0":
         model["path"] = q4_0_model
-    script = Path(__file__).with_name("rss_stages.py")
-    out = subprocess.run([sys.executable, str(script), json.dumps({"models": [model]})],
-                         capture_output=True, text=True, timeout=300, check=True)
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    report, ledger, overheads = rss_report(model)
     stages, plan = report["stages"], report["plan"]
-    (ledger,) = plan["replicas"]
-    overheads = {o["name"]: o["bytes"] for o in ledger["overheads"]}
     weights_growth = stages["weights"] - stages["start"]
     weights_ledger = ledger["weights_bytes"] + overheads["vocabulary"]
     kv_growth = stages["allocated"] - stages["weights"]
@@ -62,13 +69,8 @@ def test_a_draft_models_lines_match_its_rss() -> None:
 
     model = {**MODEL, "path": str(f16_copy()), "speculative": {
         "method": "draft", "model": "embedded:smollm2-135m-instruct"}}
-    script = Path(__file__).with_name("rss_stages.py")
-    out = subprocess.run([sys.executable, str(script), json.dumps({"models": [model]})],
-                         capture_output=True, text=True, timeout=300, check=True)
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    report, _, lines = rss_report(model)
     stages, plan = report["stages"], report["plan"]
-    (ledger,) = plan["replicas"]
-    lines = {o["name"]: o["bytes"] for o in ledger["overheads"]}
     loaded = sum(lines[f"draft model {name}"] for name in ("weights", "KV", "vocabulary",
                                                            "logits buffer"))
     full = loaded + lines["draft model compute buffer"]
