@@ -128,36 +128,31 @@ def resolve_model(m: ModelConfig, i: int, registry: Any, need_backends: bool,
     if m.lora and backend and backend.obj.supports_lora:
         _check_adapters(backend.obj, m, path, i, problems)
     spec = m.speculative
-    if spec is not None and spec.method == "draft" and backend and need_backends:
-        m = attrs.evolve(m, speculative=_check_draft(backend.obj, m, path, i, registry,
-                                                     problems))
-    elif spec is not None and spec.method == "draft" and spec.model is not None:
-        # A plan made without the backends' checks (laya plan) still reads the draft's file.
+    if spec is not None and spec.method == "draft" and spec.model is not None:
+        # Resolved for laya plan too, which makes its plan without the backends' checks.
         try:
-            draft = _resolved_path(attrs.evolve(m, path=spec.model), i, registry)
+            draft: str | None = _resolved_path(attrs.evolve(m, path=spec.model), i, registry)
         except ManifestError as e:
             problems.add(f"models[{i}].speculative.model", e.message)
-        else:
+            draft = None
+        if backend and need_backends:
+            _check_draft(backend.obj, m, path, draft, i, problems)
+        if draft is not None:
             m = attrs.evolve(m, speculative=attrs.evolve(spec, model=draft))
     return attrs.evolve(m, path=path)
 
 
-def _check_draft(backend_cls: Any, m: ModelConfig, path: str, i: int, registry: Any,
-                 problems: Problems) -> Any:
-    """The draft model's path resolved, its file one the backend loads, and its vocabulary
-    the model's size (the tokens themselves are compared when it loads)."""
-    key = f"models[{i}].speculative.model"
-    spec = m.speculative
-    assert spec is not None and spec.model is not None
+def _check_draft(backend_cls: Any, m: ModelConfig, path: str, draft: str | None, i: int,
+                 problems: Problems) -> None:
+    """The backend runs a draft model; the draft's file (``draft``, resolved; None where it
+    could not be) is one the backend loads, and its vocabulary the model's size (the tokens
+    themselves are compared when it loads)."""
     if not backend_cls.supports_draft_model:
         problems.add(f"models[{i}].speculative.method", f"the {m.backend} backend runs no "
                      'draft model; use method = "ngram", or the llamacpp or torch backend')
-        return spec
-    try:
-        draft = _resolved_path(attrs.evolve(m, path=spec.model), i, registry)
-    except ManifestError as e:
-        problems.add(key, e.message)
-        return spec
+        return
+    if draft is None:
+        return
     problem = model_file_problem(draft, backend_cls.check_model_metadata) or \
         backend_cls.check_model_path(draft)
     if problem is None:
@@ -170,8 +165,7 @@ def _check_draft(backend_cls: Any, m: ModelConfig, path: str, i: int, registry: 
                 problem = (f"its vocabulary has {got} tokens, the model's {want}: a draft "
                            "model must share the model's tokenizer")
     if problem is not None:
-        problems.add(key, problem)
-    return attrs.evolve(spec, model=draft)
+        problems.add(f"models[{i}].speculative.model", problem)
 
 
 def _check_adapters(backend_cls: Any, m: ModelConfig, path: str, i: int,

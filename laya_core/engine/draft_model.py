@@ -114,7 +114,7 @@ class DraftModel:
     def _trim(self, slot: int, num_tokens: int) -> None:
         if self._blocks is not None:
             self._blocks.trim(slot, num_tokens)  # what the KV holds past it is fed again
-        elif num_tokens < len(self._fed[slot]):
+        else:
             self.backend.trim_sequence(slot, num_tokens)
 
     def _item(self, slot: int, tokens: list[int], start: int, sample: bool) -> StepItem | None:

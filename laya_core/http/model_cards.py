@@ -45,7 +45,7 @@ def model_routes(deployment: Deployment) -> list[Route]:
         (whose status it shares)."""
         parent = deployment.adapters[name]
         card = model_card(parent)
-        return {**card, "id": name, "root": deployment.adapter_paths[name],
+        return {**card, "id": name, "root": deployment.adapter_tables[parent].get(name),
                 "parent": parent, "replicas": card["replicas"], "planned_bytes": None}
 
     async def list_models(request: Request) -> Response:

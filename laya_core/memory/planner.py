@@ -181,7 +181,6 @@ def make_plan(manifest: Manifest, registry: Registry, serving: bool = False) -> 
                                                              processes)))
 
 
-
 def plan_added(plan: Plan, config: ModelConfig, registry: Registry) -> Plan:
     """``plan`` with one more model (resolved; a model found while serving): its replicas
     numbered after the plan's, its sizes decided as make_plan decides them. Raises
@@ -191,15 +190,15 @@ def plan_added(plan: Plan, config: ModelConfig, registry: Registry) -> Plan:
         shape = cls.model_shape(config.path)
     except ModelFileError as e:
         raise ValueError(str(e)) from None
-    decided = decide_sizes(config, shape)
     first = len(plan.replicas)
-    for sized in (decide_sizes(config, shape, cls), decided):
+
+    def with_it(sized: ModelConfig) -> Plan:
         ledgers = _ledgers([(sized, shape, cls)], plan.processes)
         added = tuple(attrs.evolve(r, replica=first + i) for i, r in enumerate(ledgers))
-        grown = attrs.evolve(plan, replicas=(*plan.replicas, *added), suggestions=())
-        if grown.fits:
-            break
-    return grown
+        return attrs.evolve(plan, replicas=(*plan.replicas, *added), suggestions=())
+
+    roomy = with_it(decide_sizes(config, shape, cls))  # as make_plan: the roomy default first
+    return roomy if roomy.fits else with_it(decide_sizes(config, shape))
 
 
 def decided_manifest(manifest: Manifest, plan: Plan) -> Manifest:

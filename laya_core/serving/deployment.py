@@ -116,10 +116,10 @@ class Deployment:
         # LoRA adapters' names -> the model each adapts (ModelConfig.lora): a request naming
         # an adapter runs on its model, with it.
         self.adapters: dict[str, str] = {}
-        self.adapter_paths: dict[str, str] = {}  # each adapter's path
-        # Each model's adapters now (its lora table, and those loaded or unloaded while
-        # serving): a replica made for an on-demand model's next load loads these.
-        self._lora_now: dict[str, dict[str, str]] = {}
+        # Each model's adapters now, name -> path (its lora table, and those loaded or
+        # unloaded while serving): a replica made for an on-demand model's next load loads
+        # these, and /v1/models shows each one's path.
+        self.adapter_tables: dict[str, dict[str, str]] = {}
         # Tokens per KV block of each model's backend (Backend.block_size), known before
         # any replica loads: the router's prefix hashes and /live's blocks count in them.
         self.block_sizes: dict[str, int] = {}
@@ -147,7 +147,7 @@ class Deployment:
         cls = registry.backends[config.backend].obj
         apart = self._transports.runs_apart(config, cls)
         clients, makers = list(self.clients), list(self._make_client)
-        self._lora_now = {**self._lora_now, config.name: dict(config.lora)}
+        self.adapter_tables = {**self.adapter_tables, config.name: dict(config.lora)}
         for index in range(config.replicas):
             make = functools.partial(self._replica_client, config, len(clients), apart, index)
             makers.append(make)
@@ -164,13 +164,12 @@ class Deployment:
                 config.name, self.plan.model_bytes(config.name) if self.plan else 0,
                 config.queue_timeout_s, config.idle_unload_s, config.max_queue))
         self.adapters = {**self.adapters, **{name: config.name for name in config.lora}}
-        self.adapter_paths = {**self.adapter_paths, **config.lora}
         self.models = {**self.models, config.name: config}
 
     def _replica_client(self, config: ModelConfig, replica: int, apart: bool,
                         index: int) -> EngineClient:
         """A new client of one of ``config``'s replicas, loading the model's adapters now."""
-        config = attrs.evolve(config, lora=self._lora_now[config.name])
+        config = attrs.evolve(config, lora=self.adapter_tables[config.name])
         return replica_client(config, replica, self.registry, self._transports, apart,
                               self._changed, self._worker_loaded, self._loaded, index)
 
@@ -212,9 +211,9 @@ class Deployment:
             raise
         for client in done:
             _note_adapter(client, name, path)
-        self._lora_now = {**self._lora_now, model: {**self._lora_now[model], name: path}}
+        self.adapter_tables = {**self.adapter_tables,
+                               model: {**self.adapter_tables[model], name: path}}
         self.adapters = {**self.adapters, name: model}
-        self.adapter_paths = {**self.adapter_paths, name: path}
 
     async def unload_adapter(self, name: str, loaded: bool = True) -> None:
         """Stop routing requests to adapter ``name``, and unload it from each replica once
@@ -222,9 +221,8 @@ class Deployment:
         on-demand one that is not loaded (nor loading), whose next load leaves it out."""
         model = self.adapters[name]
         self.adapters = {k: v for k, v in self.adapters.items() if k != name}
-        self.adapter_paths = {k: v for k, v in self.adapter_paths.items() if k != name}
-        self._lora_now = {**self._lora_now, model: {
-            k: v for k, v in self._lora_now[model].items() if k != name}}
+        self.adapter_tables = {**self.adapter_tables, model: {
+            k: v for k, v in self.adapter_tables[model].items() if k != name}}
         if not loaded:
             return
         clients = self.clients_of(model)
