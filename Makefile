@@ -12,6 +12,15 @@ EXAMPLE_SOURCES := $(shell find examples -type f \( -name '*.py' -o -name 'pypro
 STAMP := $(VENV)/.installed
 LOG := $(VENV)/install.log
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc)
+# GPU=cuda builds llama.cpp with CUDA (needs nvcc), for n_gpu_layers: `make clean install
+# GPU=cuda`. pip's cache holds the CPU build's wheel under the same version, so it is not used.
+GPU ?=
+ifeq ($(GPU),cuda)
+export CMAKE_ARGS := $(CMAKE_ARGS) -DGGML_CUDA=on
+LLAMA_PIP_FLAGS := --no-cache-dir
+else ifneq ($(GPU),)
+$(error GPU=$(GPU): the GPU builds are GPU=cuda, or none)
+endif
 # pipefail: in `pip ... | tee | awk`, pip's exit status decides whether the step failed.
 SHELL := /bin/bash
 .SHELLFLAGS := -e -o pipefail -c
@@ -45,7 +54,7 @@ $(STAMP): pyproject.toml plugins/backend_llamacpp/pyproject.toml plugins/backend
 	# in the test extras): its CPU build. An unpinned torch pulls a CUDA build and 3.2 GB of
 	# nvidia libraries, which stayed on disk after the pin replaced torch.
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(call pip_compiling,llama.cpp,-e '.[test]' -e plugins/backend_llamacpp)
+	$(call pip_compiling,llama.cpp,$(LLAMA_PIP_FLAGS) -e '.[test]' -e plugins/backend_llamacpp)
 	$(call pip_compiling,the C++ router,./plugins/router_nanobind)
 	$(BIN)/python -m pip install --quiet -e plugins/backend_torch
 	# gptqmodel, the reference the quantized-checkpoint tests read GPTQ and AWQ folders with

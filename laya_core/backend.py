@@ -24,6 +24,7 @@ from laya_core.types import Sample, SamplingParams, SpeculativeConfig
 if TYPE_CHECKING:
     from laya_core.engine.allowed_tokens import AllowedTokens
     from laya_core.engine.embed_jobs import EmbedPlan
+    from laya_core.memory.devices import Gpus
     from laya_core.models.files import ModelShape
 
 
@@ -96,6 +97,9 @@ class Overhead:
     # What the replicas of one process share, such as a backend library's code: a key, and
     # the plan counts the overheads under one key once (the largest). None: per replica.
     shared: str | None = None
+    # Where the bytes live: "cpu" (the host's RAM) or a GPU ("cuda:0"), whose budget the
+    # plan checks them against (laya_core/memory/devices.py).
+    device: str = "cpu"
 
 
 @attrs.frozen
@@ -108,6 +112,10 @@ class MemoryProfile:
     kv_bytes_per_token: int
     kv_dtype: str
     overheads: tuple[Overhead, ...]
+    # The parts of the weights and of each token's KV that live on a GPU, by device
+    # ("cuda:0" -> bytes); the rest of each is in host RAM. Empty: all on the host.
+    weights_on: Mapping[str, int] = attrs.field(factory=dict)
+    kv_bytes_per_token_on: Mapping[str, int] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -253,6 +261,11 @@ class Backend(abc.ABC):
     # The ``[models.options]`` key that sets a replica's compute threads, which ``laya
     # serve --threads`` (``LAYA_THREADS``) writes; None: the backend has no such option.
     threads_option: ClassVar[str | None] = None
+    # The ``[models.options]`` key whose whole number puts that many of the model's layers
+    # on GPUs (llama.cpp's ``n_gpu_layers``); its "auto" leaves it to the memory plan, which
+    # takes the most that fit every device's budget, up to what ``place`` allows. None: the
+    # backend places its memory by other options (torch's ``device``).
+    gpu_layers_option: ClassVar[str | None] = None
     # Which backend a ``[[models]]`` entry without ``backend`` gets, among the installed ones
     # that take its model (``check_model_path`` passes): the highest preference, ties by
     # name. A backend that is the natural runtime of a model format sets it above 0.
@@ -309,6 +322,23 @@ class Backend(abc.ABC):
         from laya_core.models.lora import read_adapter
 
         return read_adapter(path, base)
+
+    @classmethod
+    def place(cls, config: ModelConfig, shape: ModelShape,
+              gpus: Gpus) -> tuple[ModelConfig, int]:
+        """``config`` with the device options it leaves to the plan decided for ``gpus``
+        (llama.cpp: how the layers split among several), but ``gpu_layers_option``; and the
+        most layers that option may put on them (0: none, as on a machine without a GPU or
+        where the library was built without GPU support)."""
+        return config, 0
+
+    @classmethod
+    def check_devices(cls, config: ModelConfig, gpus: Gpus) -> dict[str, str]:
+        """Problems with what ``config`` asks of this machine's GPUs (``gpus``, as found
+        here: one it lacks, a library built without GPU support), by the key they are said
+        under ("options.device", "backend"). ``laya check``, ``laya plan`` and ``laya
+        serve`` call it for the machine they run on, not for one ``--gpus`` describes."""
+        return {}
 
     @classmethod
     def check_option(cls, name: str, value: object) -> str | None:

@@ -60,9 +60,26 @@ def cmd_check(args: argparse.Namespace, registry: Registry) -> int:
     return EXIT_MANIFEST if registry.failures else 0
 
 
+def _machine(args: argparse.Namespace) -> planner.Machine | None:
+    """The machine ``laya plan --ram --gpus`` describes; None: this one."""
+    if args.ram is None and args.gpus is None:
+        return None
+    from laya_core.memory import budget, devices
+
+    try:
+        ram = None if args.ram is None else budget.parse_size(args.ram, minimum=2**20)
+    except ValueError as e:
+        raise mf.ManifestError("--ram", str(e)) from None
+    try:
+        gpus = None if args.gpus is None else devices.parse_gpus(args.gpus)
+    except ValueError as e:
+        raise mf.ManifestError("--gpus", str(e)) from None
+    return planner.Machine(ram, gpus)
+
+
 def cmd_plan(args: argparse.Namespace, registry: Registry) -> int:
     manifest, source = cli_settings.build(args, registry, need_backends=False)
-    plan = planner.make_plan(manifest, registry, serving=True)
+    plan = planner.make_plan(manifest, registry, serving=True, machine=_machine(args))
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
     elif args.systemd:
@@ -145,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--json", action="store_true", help="one JSON object")
     out.add_argument("--systemd", action="store_true",
                      help="a systemd unit with MemoryMax from the plan")
+    plan.add_argument("--ram", metavar="SIZE", help="plan for a machine with this much RAM "
+                      "(such as 64GiB; a headroom is kept back as on this one)")
+    plan.add_argument("--gpus", metavar="SIZES", help="plan for a machine with these GPUs: "
+                      "each one's memory, comma-separated (24GiB; 2x80GiB; none)")
     plan.add_argument("--user", default=systemd.DEFAULT_USER,
                       help="the system user the systemd unit runs as (default: %(default)s)")
     plan.set_defaults(func=cmd_plan)

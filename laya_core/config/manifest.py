@@ -36,6 +36,7 @@ from laya_core.config.table import (
     non_empty,
     parse_size,
 )
+from laya_core.memory import devices
 from laya_core.models.lora import MAX_RANK
 from laya_core.replica.worker_link import DEFAULT_SILENCE_S
 from laya_core.routing.router import POLICIES
@@ -61,6 +62,9 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 @attrs.frozen
 class MemoryConfig:
     budget_bytes: int | None = None  # None: "auto", decided from the machine
+    # Each GPU's budget: one size for all, or sizes by device ("cuda:0"); None: "auto",
+    # what each has free less headroom (laya_core/memory/devices.py).
+    gpu_budget: int | dict[str, int] | None = None
 
 
 @attrs.frozen
@@ -102,7 +106,7 @@ class Manifest:
     from_dir: frozenset[str] = frozenset()  # the models found in it (not [[models]] entries)
 
 
-MEMORY_KEYS = ("budget",)
+MEMORY_KEYS = ("budget", "gpu_budget")
 ROUTER_KEYS = ("impl",)
 CLUSTER_KEYS = ("engine", "address", "worker_timeout_s")
 TOP_KEYS = ("server", "memory", "router", "cluster", "models", "models_dir")
@@ -123,12 +127,27 @@ def _cluster(data: Any, problems: Problems) -> ClusterConfig:
 def _memory(data: Any, problems: Problems) -> MemoryConfig:
     t = Table(data, "memory", problems)
     budget = t.get("budget", (str, int), "auto")
+    gpu = t.get("gpu_budget", (str, int, dict), "auto")
     t.finish(MEMORY_KEYS)
-    if budget == "auto":
-        return MemoryConfig(None)
+    budget_bytes: int | None = None
+    gpu_budget: int | dict[str, int] | None = None
     with problems.guard():
-        return MemoryConfig(parse_size(budget, "memory.budget", minimum=2**20))
-    return MemoryConfig(None)
+        if budget != "auto":
+            budget_bytes = parse_size(budget, "memory.budget", minimum=2**20)
+    if isinstance(gpu, dict):
+        by_device: dict[str, int] = {}
+        for device, size in gpu.items():
+            key = f"memory.gpu_budget.{device}"
+            if (problem := devices.check_device_name(device)) is not None:
+                problems.add(key, problem)
+                continue
+            with problems.guard():
+                by_device[device] = parse_size(size, key, minimum=2**20)
+        gpu_budget = by_device
+    elif gpu != "auto":
+        with problems.guard():
+            gpu_budget = parse_size(gpu, "memory.gpu_budget", minimum=2**20)
+    return MemoryConfig(budget_bytes, gpu_budget)
 
 
 def _router(data: Any, problems: Problems) -> RouterConfig:

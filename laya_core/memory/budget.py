@@ -84,3 +84,11 @@ def detect(configured: int | None, cgroup_root: Path = Path("/sys/fs/cgroup"),
     headroom = max(MIN_HEADROOM_BYTES, int(total * HEADROOM_FRACTION))
     return Budget(max(0, total - headroom), f"{source}, less {HEADROOM_FRACTION:.0%} headroom",
                   headroom)
+
+
+def for_ram(total: int) -> Budget:
+    """The budget of a machine with ``total`` bytes of RAM (``laya plan --ram``), less the
+    headroom ``detect`` keeps."""
+    headroom = max(MIN_HEADROOM_BYTES, int(total * HEADROOM_FRACTION))
+    return Budget(max(0, total - headroom),
+                  f"--ram {total / 2**30:.4g} GiB, less {HEADROOM_FRACTION:.0%} headroom", headroom)

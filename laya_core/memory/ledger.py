@@ -12,6 +12,7 @@ import attrs
 
 from laya_core.backend import Backend, MemoryProfile, ModelConfig
 from laya_core.memory.budget import Budget
+from laya_core.memory.devices import HOST, NO_GPUS, Gpus, device_index
 from laya_core.models.files import ModelShape
 
 # The Python interpreter, Laya, the HTTP stack and the backend libraries, once per process.
@@ -97,8 +98,33 @@ class ReplicaLedger:
         return sum(o.bytes for o in self.profile.overheads)
 
     @property
+    def gpus(self) -> tuple[str, ...]:
+        """The GPUs this replica places memory on."""
+        p = self.profile
+        used = {*p.weights_on, *p.kv_bytes_per_token_on,
+                *(o.device for o in p.overheads if o.device != HOST)}
+        return tuple(sorted(used, key=device_index))
+
+    def weights_on(self, device: str) -> int:
+        p = self.profile
+        return (p.weights_bytes - sum(p.weights_on.values()) if device == HOST
+                else p.weights_on.get(device, 0))
+
+    def kv_pool_on(self, device: str) -> int:
+        p = self.profile
+        per_token = (p.kv_bytes_per_token - sum(p.kv_bytes_per_token_on.values())
+                     if device == HOST else p.kv_bytes_per_token_on.get(device, 0))
+        return per_token * self.pool_tokens
+
+    def bytes_on(self, device: str) -> int:
+        """What this replica holds on ``device`` ("cpu": the host's RAM)."""
+        return (self.weights_on(device) + self.kv_pool_on(device)
+                + sum(o.bytes for o in self.profile.overheads if o.device == device))
+
+    @property
     def total_bytes(self) -> int:
-        return self.profile.weights_bytes + self.kv_pool_bytes + self.overhead_bytes
+        """What this replica holds in the host's RAM (its GPUs' share: ``bytes_on``)."""
+        return self.bytes_on(HOST)
 
     @property
     def max_concurrent_seqs(self) -> int:
@@ -117,6 +143,7 @@ class ReplicaLedger:
             "overhead_bytes": self.overhead_bytes,
             "overheads": [attrs.asdict(o) for o in self.profile.overheads],
             "total_bytes": self.total_bytes, "max_concurrent_seqs": self.max_concurrent_seqs,
+            "gpu_bytes": {d: self.bytes_on(d) for d in self.gpus},
         }
 
 
@@ -127,6 +154,7 @@ class Plan:
     budget: Budget
     suggestions: tuple[str, ...] = ()
     processes: bool = False  # each replica in a worker process (its ledger says so)
+    gpus: Gpus = NO_GPUS  # the GPUs planned for, with their budgets
 
     def model_bytes(self, model: str) -> int:
         """What all replicas of ``model`` hold, as planned."""
@@ -157,10 +185,13 @@ class Plan:
         """What the replica ledgers count more than once of the overheads their process
         shares (``Overhead.shared``): every replica's ledger holds the line, since each
         alone would need it, and the total takes each shared key's largest once."""
+        return self._shared_counted_once(HOST)
+
+    def _shared_counted_once(self, device: str) -> int:
         by_key: dict[str, list[int]] = {}
         for r in self.peak:
             for o in r.profile.overheads:
-                if o.shared is not None:
+                if o.shared is not None and o.device == device:
                     by_key.setdefault(o.shared, []).append(o.bytes)
         return sum(sum(sizes) - max(sizes) for sizes in by_key.values())
 
@@ -172,8 +203,25 @@ class Plan:
                 - self.shared_bytes_counted_once)
 
     @property
+    def gpus_used(self) -> tuple[str, ...]:
+        """The GPUs the replicas place memory on (those the plan has and any it lacks)."""
+        return tuple(sorted({d for r in self.replicas for d in r.gpus}, key=device_index))
+
+    def gpu_bytes(self, device: str) -> int:
+        """The most ``device`` holds at once: the pinned replicas' share of it and the
+        largest on-demand model's; a shared line (a process's CUDA context) once."""
+        return (sum(r.bytes_on(device) for r in self.peak)
+                - self._shared_counted_once(device))
+
+    @property
+    def gpus_over(self) -> tuple[str, ...]:
+        """The GPUs whose share is over their budget (one the plan lacks has none)."""
+        return tuple(d for d in self.gpus_used
+                     if self.gpu_bytes(d) > self.gpus.budget_bytes(d))
+
+    @property
     def fits(self) -> bool:
-        return self.total_bytes <= self.budget.bytes
+        return self.total_bytes <= self.budget.bytes and not self.gpus_over
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -185,6 +233,11 @@ class Plan:
             "pinned_bytes": sum(r.total_bytes for r in self.pinned),
             "largest_on_demand": self.largest_on_demand,
             "replicas": [r.to_json() for r in self.replicas],
+            "gpus": {d: {"budget_bytes": self.gpus.budget_bytes(d), "total_bytes":
+                         self.gpu_bytes(d), "budget_source": b.source if (
+                             b := self.gpus.budgets.get(d)) else "no such GPU"}
+                     for d in sorted({*self.gpus.budgets, *self.gpus_used},
+                                     key=device_index)},
             "suggestions": list(self.suggestions),
         }
 

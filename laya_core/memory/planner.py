@@ -14,6 +14,7 @@ from laya_core.config.table import Problems
 from laya_core.engine.speculative import drafter_bytes_per_token
 from laya_core.kv.dtypes import bytes_per_element
 from laya_core.memory import budget as budget_mod
+from laya_core.memory import devices
 from laya_core.memory.ledger import (
     FRONT_TOKENIZER_BYTES_PER_TOKEN,
     GRAMMAR_CHILD_BYTES,
@@ -107,7 +108,7 @@ def _with_draft_model(profile: MemoryProfile, config: ModelConfig, shape: ModelS
     return attrs.evolve(profile, overheads=(*profile.overheads, *lines))
 
 
-def _ledgers(configs: list[tuple[ModelConfig, ModelShape, type[Backend]]],
+def _ledgers(configs: list[Entry],
              processes: bool = False) -> list[ReplicaLedger]:
     ledgers, replica = [], 0
     for config, shape, cls in configs:
@@ -125,10 +126,62 @@ def _ledgers(configs: list[tuple[ModelConfig, ModelShape, type[Backend]]],
     return ledgers
 
 
-def _plan_for(configs: list[tuple[ModelConfig, ModelShape, type[Backend]]],
-              budget: budget_mod.Budget, processes: bool = False) -> Plan:
-    return Plan(tuple(_ledgers(configs, processes)), RUNTIME_OVERHEAD_BYTES, budget,
-                processes=processes)
+Entry = tuple[ModelConfig, ModelShape, type[Backend]]
+
+
+@attrs.frozen
+class Room:
+    """What a plan is checked against: the host's budget and each GPU's."""
+
+    host: budget_mod.Budget
+    gpus: devices.Gpus = devices.NO_GPUS
+
+
+@attrs.frozen
+class Machine:
+    """The machine a plan is for, where it is not this one (``laya plan --ram --gpus``):
+    its RAM (None: this machine's budget) and its GPUs' sizes (None: this machine's)."""
+
+    ram_bytes: int | None = None
+    gpus: tuple[int, ...] | None = None
+
+
+def _plan_for(configs: list[Entry], room: Room, processes: bool = False) -> Plan:
+    return Plan(tuple(_ledgers(configs, processes)), RUNTIME_OVERHEAD_BYTES, room.host,
+                processes=processes, gpus=room.gpus)
+
+
+def _placed(configs: list[Entry], room: Room, processes: bool) -> list[Entry]:
+    """``configs`` with their device options decided (``Backend.place``), and each "auto"
+    of a backend's ``gpu_layers_option``, model by
+    model in the manifest's order: the most layers whose GPU share fits every GPU's budget
+    beside the models before it (those after it still on the host). Where no GPU takes
+    even one layer, none. Moving layers to a GPU only frees host memory, so the host's
+    budget does not bound the choice; the whole plan is then checked as usual."""
+    out = list(configs)
+    for i, (config, shape, cls) in enumerate(out):
+        config, limit = cls.place(config, shape, room.gpus)
+        out[i] = (config, shape, cls)
+        option = cls.gpu_layers_option  # (no GPU: "auto" stays, and offloads nothing)
+        if option is None or not limit or config.options.get(option, "auto") != "auto":
+            continue
+
+        def with_layers(n: int, config: ModelConfig = config,
+                        option: str = option) -> ModelConfig:
+            return attrs.evolve(config, options={**config.options, option: n})
+
+        def gpus_fit(n: int, i: int = i, shape: ModelShape = shape,
+                     cls: type[Backend] = cls, with_layers: Any = with_layers) -> bool:
+            trial = list(out)
+            trial[i] = (with_layers(n), shape, cls)
+            return not _plan_for(trial, room, processes).gpus_over
+
+        out[i] = (with_layers(_largest(gpus_fit, 0, limit) or 0), shape, cls)
+    return out
+
+
+def _placed_plan(configs: list[Entry], room: Room, processes: bool) -> Plan:
+    return _plan_for(_placed(configs, room, processes), room, processes)
 
 
 def uses_processes(manifest: Manifest, serving: bool) -> bool:
@@ -139,12 +192,43 @@ def uses_processes(manifest: Manifest, serving: bool) -> bool:
     return engine in ("process", "ray") or (engine == "auto" and serving)
 
 
-def make_plan(manifest: Manifest, registry: Registry, serving: bool = False) -> Plan:
+def room_for(manifest: Manifest, machine: Machine | None = None) -> Room:
+    """The budgets a manifest is planned against: this machine's, or ``machine``'s; the
+    manifest's ``[memory]`` budgets win where set."""
+    machine = machine or Machine()
+    configured = manifest.memory.budget_bytes
+    host = budget_mod.detect(configured) if machine.ram_bytes is None or configured \
+        else budget_mod.for_ram(machine.ram_bytes)
+    gpus = devices.detect() if machine.gpus is None else devices.given(machine.gpus)
+    return Room(host, devices.with_configured(gpus, manifest.memory.gpu_budget))
+
+
+def _device_problems(manifest: Manifest, registry: Registry, room: Room) -> Problems:
+    """What the manifest asks of GPUs that the machine planned for lacks: a budget for a
+    GPU it does not have; on this machine, each backend's own checks (``check_devices``)."""
+    problems = Problems()
+    configured = manifest.memory.gpu_budget
+    for device in configured if isinstance(configured, dict) else ():
+        if device not in room.gpus.budgets:
+            problems.add(f"memory.gpu_budget.{device}", "the machine has no such GPU (it "
+                         f"has {', '.join(room.gpus.names) or 'none'})")
+    if room.gpus.local:
+        for i, m in enumerate(manifest.models):
+            key = f"models[{manifest.model_index.get(m.name, i)}]"
+            for name, message in _backend_cls(registry, m).check_devices(m, room.gpus).items():
+                problems.add(f"{key}.{name}", message)
+    return problems
+
+
+def make_plan(manifest: Manifest, registry: Registry, serving: bool = False,
+              machine: Machine | None = None) -> Plan:
     """The plan of a resolved manifest (model paths are files or folders). ``serving``:
     planned as ``laya serve`` runs it (worker processes under ``[cluster] engine = "auto"``),
-    rather than as a :class:`~laya_core.serving.deployment.Deployment` built in code."""
+    rather than as a :class:`~laya_core.serving.deployment.Deployment` built in code.
+    ``machine``: planned for another machine than this one."""
     processes = uses_processes(manifest, serving)
-    configs, problems = [], Problems()
+    room = room_for(manifest, machine)
+    configs, problems = [], _device_problems(manifest, registry, room)
     for i, m in enumerate(manifest.models):
         key = f"models[{manifest.model_index.get(m.name, i)}]"
         cls = _backend_cls(registry, m)
@@ -166,19 +250,18 @@ def make_plan(manifest: Manifest, registry: Registry, serving: bool = False) -> 
             continue
         configs.append((decided, shape, cls))
     problems.raise_if_any()
-    budget = budget_mod.detect(manifest.memory.budget_bytes)
     # (Every model made it into configs: a problem raised above.)
-    roomy = _plan_for([(decide_sizes(m, shape, cls), shape, cls) for m, (_, shape, cls)
-                       in zip(manifest.models, configs, strict=True)], budget, processes)
+    roomy = _placed_plan([(decide_sizes(m, shape, cls), shape, cls) for m, (_, shape, cls)
+                          in zip(manifest.models, configs, strict=True)], room, processes)
     # Sized as a loaded engine sizes them: the default's 8 sequences where their KV is small
     # (ledger.default_num_seqs); where that plan does not fit, the fixed default's 4.
     if roomy.fits:
         return roomy
-    plan = _plan_for(configs, budget, processes)
+    placed = _placed(configs, room, processes)
+    plan = _plan_for(placed, room, processes)
     if plan.fits:
         return plan
-    return attrs.evolve(plan, suggestions=tuple(_suggestions(configs, plan.budget,
-                                                             processes)))
+    return attrs.evolve(plan, suggestions=tuple(_suggestions(placed, room, processes)))
 
 
 def plan_added(plan: Plan, config: ModelConfig, registry: Registry) -> Plan:
@@ -192,10 +275,22 @@ def plan_added(plan: Plan, config: ModelConfig, registry: Registry) -> Plan:
         raise ValueError(str(e)) from None
     first = len(plan.replicas)
 
-    def with_it(sized: ModelConfig) -> Plan:
+    def added(sized: ModelConfig) -> Plan:
         ledgers = _ledgers([(sized, shape, cls)], plan.processes)
-        added = tuple(attrs.evolve(r, replica=first + i) for i, r in enumerate(ledgers))
-        return attrs.evolve(plan, replicas=(*plan.replicas, *added), suggestions=())
+        more = tuple(attrs.evolve(r, replica=first + i) for i, r in enumerate(ledgers))
+        return attrs.evolve(plan, replicas=(*plan.replicas, *more), suggestions=())
+
+    def with_it(sized: ModelConfig) -> Plan:
+        sized, limit = cls.place(sized, shape, plan.gpus)
+        option = cls.gpu_layers_option  # "auto": the most layers the GPUs still take
+        if option is None or not limit or sized.options.get(option, "auto") != "auto":
+            return added(sized)
+
+        def layers(n: int) -> ModelConfig:
+            return attrs.evolve(sized, options={**sized.options, option: n})
+
+        return added(layers(_largest(lambda n: not added(layers(n)).gpus_over, 0, limit)
+                            or 0))
 
     roomy = with_it(decide_sizes(config, shape, cls))  # as make_plan: the roomy default first
     return roomy if roomy.fits else with_it(decide_sizes(config, shape))
@@ -217,33 +312,35 @@ def _largest(fits: Callable[[int], bool], low: int, high: int) -> int | None:
     return low
 
 
-def _suggestions(configs: list[tuple[ModelConfig, ModelShape, type[Backend]]],
-                 budget: budget_mod.Budget, processes: bool = False) -> list[str]:
+def _suggestions(configs: list[Entry],
+                 room: Room, processes: bool = False) -> list[str]:
     if not any(c[0].on_demand for c in configs):
         out = [line for i in range(len(configs))
-               for line in _suggest_for(i, configs, budget, processes)]
+               for line in _suggest_for(i, configs, room, processes)]
     else:  # the pinned models must fit together, and each on-demand one beside them
         pinned_at = [i for i, c in enumerate(configs) if not c[0].on_demand]
         pinned = [configs[i] for i in pinned_at]
         out = []
-        if not _plan_for(pinned, budget, processes).fits:
+        if not _plan_for(pinned, room, processes).fits:
             for j, i in enumerate(pinned_at):
-                out += _suggest_for(j, pinned, budget, processes, f"models[{i}]")
+                out += _suggest_for(j, pinned, room, processes, f"models[{i}]")
         else:
             for i, entry in enumerate(configs):
                 alone = [*pinned, entry]
-                if entry[0].on_demand and not _plan_for(alone, budget, processes).fits:
-                    out += _suggest_for(len(alone) - 1, alone, budget, processes,
+                if entry[0].on_demand and not _plan_for(alone, room, processes).fits:
+                    out += _suggest_for(len(alone) - 1, alone, room, processes,
                                         f"models[{i}]")
     if not out:
-        out.append(f"nothing within these models fits {fmt_bytes(budget.bytes)}: the weights "
-                   "and fixed overheads alone are too large; use a smaller or more quantized "
-                   "model, or raise [memory] budget")
+        out.append(f"nothing within these models fits {fmt_bytes(room.host.bytes)}"
+                   + "".join(f" and {d}'s {fmt_bytes(room.gpus.budget_bytes(d))}"
+                             for d in room.gpus.names)
+                   + ": the weights and fixed overheads alone are too large; use a smaller or "
+                   "more quantized model, or raise [memory] budget")
     return out
 
 
-def _suggest_for(i: int, configs: list[tuple[ModelConfig, ModelShape, type[Backend]]],
-                 budget: budget_mod.Budget, processes: bool = False,
+def _suggest_for(i: int, configs: list[Entry],
+                 room: Room, processes: bool = False,
                  key: str | None = None) -> list[str]:
     """Settings of model i that make the plan fit, the others unchanged; ``key``: how the
     lines name the model (``models[i]``)."""
@@ -252,7 +349,7 @@ def _suggest_for(i: int, configs: list[tuple[ModelConfig, ModelShape, type[Backe
     def fits_with(**changes: Any) -> bool:
         trial = list(configs)
         trial[i] = (attrs.evolve(config, **changes), shape, cls)
-        return _plan_for(trial, budget, processes).fits
+        return _plan_for(trial, room, processes).fits
 
     def fits_len(n: int, step_tokens: int = config.max_step_tokens) -> bool:
         length = n * _SEQ_LEN_STEP
@@ -281,6 +378,13 @@ def _suggest_for(i: int, configs: list[tuple[ModelConfig, ModelShape, type[Backe
     if step:
         out.append(f"{key}.max_step_tokens = {step * 64} (a smaller compute buffer; long "
                    "prompts prefill in more steps)")
+    option = cls.gpu_layers_option  # fewer layers on the GPUs, the rest in host RAM
+    layers = config.options.get(option) if option else None
+    if option and type(layers) is int and layers > 0:
+        n = _largest(lambda n: fits_with(options={**config.options, option: n}), 0, layers - 1)
+        if n is not None:
+            out.append(f"{key}.options.{option} = {n} (fewer layers on the GPU; the rest "
+                       "run from host RAM)")
     if config.replicas > 1:
         r = _largest(lambda n: fits_with(replicas=n), 1, config.replicas - 1)
         if r:
@@ -299,21 +403,31 @@ def format_plan(plan: Plan) -> str:
     lines = []
     for r in plan.replicas:
         p = r.profile
+        gpus = r.gpus
+
+        def where(of: Callable[[str], int], gpus: tuple[str, ...] = gpus) -> str:
+            return "" if not gpus else "   (" + ", ".join(
+                f"{d} {fmt_bytes(of(d))}" for d in (*gpus, devices.HOST)) + ")"
+
         lines += [
             f"{r.model} (replica {r.replica}, backend {r.config.backend}): "
             f"max_seq_len {r.max_seq_len}, max_num_seqs {r.config.max_num_seqs}, "
             f"KV {p.kv_dtype}",
-            f"  weights            {fmt_bytes(p.weights_bytes):>12}   {p.weights_source}",
+            f"  weights            {fmt_bytes(p.weights_bytes):>12}   {p.weights_source}"
+            + where(r.weights_on),
             f"  KV per token       {fmt_bytes(p.kv_bytes_per_token):>12}",
             f"  KV per sequence    {fmt_bytes(r.kv_bytes_per_seq):>12}   at max_seq_len "
             f"{r.max_seq_len}",
             f"  KV pool            {fmt_bytes(r.kv_pool_bytes):>12}   {r.pool_tokens} tokens: "
-            f"{r.max_concurrent_seqs} full-length sequence(s) at once",
+            f"{r.max_concurrent_seqs} full-length sequence(s) at once" + where(r.kv_pool_on),
         ]
-        lines += [f"  {o.name:<18} {fmt_bytes(o.bytes):>12}   {o.how}"
+        lines += [f"  {o.name:<18} {fmt_bytes(o.bytes):>12}   "
+                  + (f"[{o.device}] " if o.device != devices.HOST else "") + o.how
                   + (f" (shared by this process's replicas: {o.shared})" if o.shared else "")
                   for o in p.overheads]
-        lines.append(f"  replica total      {fmt_bytes(r.total_bytes):>12}")
+        lines.append(f"  replica total      {fmt_bytes(r.total_bytes):>12}"
+                     + ("   in host RAM; " + ", ".join(f"{fmt_bytes(r.bytes_on(d))} on {d}"
+                                                      for d in gpus) if gpus else ""))
     lines += [
         f"runtime              {fmt_bytes(plan.runtime_bytes):>12}   Python, HTTP server, "
         "libraries (once per process); the chat-template sandbox (64 MiB cap); the "
@@ -334,15 +448,29 @@ def format_plan(plan: Plan) -> str:
             "beside the pinned ones; the total counts the largest",
         ]
     lines += [
-        f"total                {fmt_bytes(plan.total_bytes):>12}",
+        f"total                {fmt_bytes(plan.total_bytes):>12}"
+        + ("   in host RAM" if plan.gpus_used else ""),
         f"budget               {fmt_bytes(plan.budget.bytes):>12}   {plan.budget.source}",
     ]
+    for d in sorted({*plan.gpus.budgets, *plan.gpus_used}, key=devices.device_index):
+        b = plan.gpus.budgets.get(d)
+        lines.append(f"{d:<20} {fmt_bytes(plan.gpu_bytes(d)):>12}   of "
+                     + (f"{fmt_bytes(b.bytes)} ({b.source})" if b else "nothing: the machine "
+                        "has no such GPU")
+                     + (": OVER" if d in plan.gpus_over else ""))
+    over = [f"{fmt_bytes(plan.total_bytes - plan.budget.bytes)} over budget"
+            + (" in host RAM" if plan.gpus_used else "")] \
+        if plan.total_bytes > plan.budget.bytes else []
+    over += [f"{fmt_bytes(plan.gpu_bytes(d) - plan.gpus.budget_bytes(d))} over {d}'s"
+             for d in plan.gpus_over]
     if plan.fits:
-        lines.append(f"fits: {fmt_bytes(plan.budget.bytes - plan.total_bytes)} to spare")
+        lines.append(f"fits: {fmt_bytes(plan.budget.bytes - plan.total_bytes)} to spare"
+                     + "".join(f", {fmt_bytes(plan.gpus.budget_bytes(d) - plan.gpu_bytes(d))}"
+                               f" on {d}" for d in plan.gpus_used))
     else:
-        lines.append(f"DOES NOT FIT: {fmt_bytes(plan.total_bytes - plan.budget.bytes)} over "
-                     "budget. " + ("Any one of these would fit:" if plan.largest_on_demand is None
-                                   else "Each model named needs one of its lines (the pinned "
-                                   "models must fit together, each on-demand one beside them):"))
+        lines.append(f"DOES NOT FIT: {'; '.join(over)}. " + (
+            "Any one of these would fit:" if plan.largest_on_demand is None
+            else "Each model named needs one of its lines (the pinned models must fit "
+            "together, each on-demand one beside them):"))
         lines += [f"  {s}" for s in plan.suggestions]
     return "\n".join(lines)

@@ -54,6 +54,19 @@ class ModelShape:
     # The pooling the model declares for embeddings ("mean", "cls", "last"), or None
     # (laya_core/models/pooling.py).
     pooling: str | None = None
+    # Bytes of each repeating layer's tensors, in order, and of the output head (a tied
+    # head: the token embedding, which a library offloading it copies), where the file
+    # tells them (GGUF's tensor table); empty: not known, and a plan that offloads layers
+    # takes the weights as evenly spread.
+    layer_bytes: tuple[int, ...] = ()
+    output_bytes: int = 0
+    output_tied: bool = False  # the head is the token embedding (offloaded: a copy)
+
+    def layer_weights(self, index: int) -> int:
+        """Layer ``index``'s bytes (an even share of the weights where not known)."""
+        if self.layer_bytes:
+            return self.layer_bytes[index]
+        return self.weights_bytes // max(1, self.n_layers + 2)
 
     @property
     def kv_elements_per_token(self) -> int:
@@ -90,6 +103,15 @@ def _shape_from_gguf(meta: dict[str, Any], arch: str, tensors: list[GGUFTensor])
     head_k = meta.get(f"{att}.key_length", hidden // n_heads)
     matrix_types = {t.type.name.lower() for t in tensors
                     if len(t.dims) >= 2 and not t.name.startswith("token_embd.")}
+    n_layers = meta[f"{arch}.block_count"]
+    layers = [0] * n_layers
+    by_name = {t.name: t.nbytes for t in tensors}
+    for t in tensors:
+        parts = t.name.split(".")
+        if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit() \
+                and int(parts[1]) < n_layers:
+            layers[int(parts[1])] += t.nbytes
+    output = by_name.get("output.weight", by_name.get("token_embd.weight", 0))
     return ModelShape(
         architecture=arch, n_layers=meta[f"{arch}.block_count"], n_heads=n_heads,
         n_kv_heads=n_kv, head_dim_k=head_k, head_dim_v=meta.get(f"{att}.value_length", head_k),
@@ -98,7 +120,9 @@ def _shape_from_gguf(meta: dict[str, Any], arch: str, tensors: list[GGUFTensor])
         weights_bytes=sum(t.nbytes for t in tensors),
         weights_source=f"GGUF tensor table ({len(tensors)} tensors)",
         matrix_types=frozenset(matrix_types),
-        pooling=pooling_of_gguf(meta.get(f"{arch}.pooling_type")))
+        pooling=pooling_of_gguf(meta.get(f"{arch}.pooling_type")),
+        layer_bytes=tuple(layers), output_bytes=output,
+        output_tied="output.weight" not in by_name)
 
 
 def _safetensors_bytes(folder: Path) -> tuple[int, int]:

@@ -292,7 +292,8 @@ def test_a_cuda_device_plans_the_layers_dense(checkpoints: dict[str, Path],
                                               tmp_path: Path) -> None:
     """torch's int4 kernel runs on the CPU only: on CUDA, ``quantize = "auto"`` serves a
     GPTQ or AWQ folder dequantized, through torch's own dense kernels, and the plan prices
-    it so (planned here without a GPU: ``laya plan`` reads headers only)."""
+    it so (planned here, without a GPU, for a machine with one: ``laya plan --gpus``
+    reads headers only)."""
     plans = {}
     for device in ("cpu", "cuda"):
         manifest = tmp_path / f"{device}.toml"
@@ -300,13 +301,17 @@ def test_a_cuda_device_plans_the_layers_dense(checkpoints: dict[str, Path],
                             f'path = "{checkpoints["gptq-act-order"]}"\nmax_seq_len = 256\n'
                             f'[models.options]\ndevice = "{device}"\n')
         run = subprocess.run([sys.executable, "-m", "laya_core.cli.main", "plan", "--json",
-                              str(manifest)], capture_output=True, text=True, timeout=120)
+                              "--gpus", "24GiB", str(manifest)],
+                             capture_output=True, text=True, timeout=120)
         (plans[device],) = json.loads(run.stdout)["replicas"]
     assert "int4 layer matrices (a bfloat16 scale and zero per 32)" in \
         plans["cpu"]["weights_source"]
     assert plans["cuda"]["weights_source"].endswith("loaded as bfloat16, every tensor")
     # Dense bfloat16 matrices against half a byte and a 4-byte pair per 32 inputs.
     assert plans["cuda"]["weights_bytes"] > 2.5 * plans["cpu"]["weights_bytes"]
+    # On the GPU: the weights, every line but the host's libraries and tokenizer.
+    assert plans["cuda"]["gpu_bytes"]["cuda:0"] > plans["cuda"]["weights_bytes"]
+    assert plans["cpu"]["gpu_bytes"] == {}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),

@@ -15,6 +15,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 
 from laya_backend_llamacpp import cpu, loading, memory, sampling
@@ -40,12 +41,19 @@ from laya_core.backend import (
 from laya_core.engine.allowed_tokens import NO_TOKEN_ALLOWED, AllowedTokens
 from laya_core.engine.embed_jobs import EmbedPlan, embed_whole
 from laya_core.engine.threads import ThreadGovernor
+from laya_core.memory.devices import Gpus
 from laya_core.models.files import ModelShape
 from laya_core.types import Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 
 _MAX_THREADS = 512  # GGML_MAX_N_THREADS
+
+
+def _offloads(gpus: Gpus) -> bool:
+    """Whether layers can go to ``gpus``: said of another machine (``laya plan --gpus``),
+    yes; on this one, where the installed llama.cpp was built with GPU support."""
+    return not gpus.local or bool(loading.llama().llama_supports_gpu_offload())
 
 
 def _u8(buf: np.ndarray) -> Any:
@@ -61,7 +69,11 @@ class LlamaCppBackend(Backend):
     ``cpu.choose_mmap``), ``kv_unified`` (default: a KV stream per slot when the pool
     allows, see ``kv_layout``), ``flash_attn`` (``"auto"``, true or false; default false:
     ``memory.flash_attention``),
-    ``saved_kv_tokens`` (evicted streams' KV kept in host memory; see ``saved_kv_tokens``).
+    ``saved_kv_tokens`` (evicted streams' KV kept in host memory; see ``saved_kv_tokens``);
+    on GPUs, ``n_gpu_layers`` (``"auto"``, the default: as many as the memory plan's GPUs
+    take; or a number), ``split_mode`` (``"layer"``, ``"row"`` or ``"none"``),
+    ``tensor_split`` (each GPU's share; default: by each one's budget), ``main_gpu`` and
+    ``offload_kqv`` (each offloaded layer's KV on its GPU; default true): ``memory.py``.
     """
 
     name = "llamacpp"
@@ -81,8 +93,10 @@ class LlamaCppBackend(Backend):
     # each slot has a stream of its own and consecutive slots run as one forward pass.
     supports_moving = False
     option_names = frozenset({"n_threads", "repack", "use_mmap", "flash_attn", "kv_unified",
-                              "saved_kv_tokens"})
+                              "saved_kv_tokens", "n_gpu_layers", "split_mode", "tensor_split",
+                              "main_gpu", "offload_kqv"})
     threads_option = "n_threads"
+    gpu_layers_option = "n_gpu_layers"
     # llama.cpp takes other kernel paths for a one-token batch: a prompt's last chunk of 512 +
     # 1 answered otherwise than 511 + 2 or 509 + 4 (0.004-0.05 in a log-probability), so a
     # last chunk holds two tokens, and a reused prefix leaves two to compute.
@@ -98,6 +112,23 @@ class LlamaCppBackend(Backend):
             ok = value == "auto" or (type(value) is int and 1 <= value <= _MAX_THREADS)
             return None if ok else \
                 f'must be "auto" or a whole number from 1 to {_MAX_THREADS}, not {value!r}'
+        if name == "n_gpu_layers":
+            ok = value == "auto" or (type(value) is int and 0 <= value <= 100_000)
+            return None if ok else f'must be "auto" or a whole number of layers, 0 or more, ' \
+                f"not {value!r}"
+        if name == "split_mode":
+            return None if value in memory.SPLIT_MODES else \
+                f"must be one of {', '.join(memory.SPLIT_MODES)}, not {value!r}"
+        if name == "main_gpu":
+            ok = type(value) is int and 0 <= value < memory.MAX_GPUS
+            return None if ok else f"must be a GPU's number from 0 to {memory.MAX_GPUS - 1}, " \
+                f"not {value!r}"
+        if name == "tensor_split":
+            ok = (isinstance(value, list) and 1 <= len(value) <= memory.MAX_GPUS
+                  and all(type(x) in (int, float) and 0 <= x < 1e6 for x in value)
+                  and sum(value) > 0)
+            return None if ok else f"must be a list of 1 to {memory.MAX_GPUS} shares, one " \
+                f"per GPU (numbers, 0 or more, not all 0), not {value!r}"
         if name == "saved_kv_tokens":
             ok = type(value) is int and value >= 0
             return None if ok else f"must be a whole number of tokens, 0 or more, not {value!r}"
@@ -107,6 +138,41 @@ class LlamaCppBackend(Backend):
         if not isinstance(value, bool):
             return f"must be true or false, not {value!r}"
         return None
+
+    @classmethod
+    def place(cls, config: ModelConfig, shape: ModelShape,
+              gpus: Gpus) -> tuple[ModelConfig, int]:
+        limit = shape.n_layers + 1 if gpus.budgets and _offloads(gpus) else 0
+        names = gpus.names
+        if (len(names) > 1 and "tensor_split" not in config.options
+                and config.options.get("split_mode", "layer") != "none"):
+            # llama.cpp splits by each GPU's free memory; the plan, by each one's budget.
+            shares = [round(gpus.budget_bytes(d) / 2**30, 3) for d in names]
+            config = attrs.evolve(config, options={**config.options, "tensor_split": shares})
+        return config, limit
+
+    @classmethod
+    def check_devices(cls, config: ModelConfig, gpus: Gpus) -> dict[str, str]:
+        layers = config.options.get("n_gpu_layers", "auto")
+        if type(layers) is int and layers > 0:  # asked for: refused where it cannot be
+            if not gpus.budgets:
+                return {"options.n_gpu_layers": f"{layers} layers on a GPU, but this machine "
+                        "has none (no NVIDIA driver found); remove it (\"auto\" offloads "
+                        "what fits where there is a GPU), or plan for another machine with "
+                        "laya plan --gpus"}
+            if not _offloads(gpus):
+                return {"options.n_gpu_layers": f"{layers} layers on a GPU, but this "
+                        "llama-cpp-python was built without GPU support; rebuild it with "
+                        "CUDA (make install GPU=cuda)"}
+        if not gpus.budgets:
+            return {}
+        problems = {}
+        if config.options.get("main_gpu", 0) >= len(gpus.names):
+            problems["options.main_gpu"] = f"this machine has {len(gpus.names)} GPU(s)"
+        if len(config.options.get("tensor_split") or ()) > len(gpus.names):
+            problems["options.tensor_split"] = (f"{len(config.options['tensor_split'])} shares"
+                                                f" for {len(gpus.names)} GPU(s)")
+        return problems
 
     @classmethod
     def check_model_path(cls, path: str) -> str | None:

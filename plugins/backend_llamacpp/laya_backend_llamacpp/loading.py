@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-from laya_backend_llamacpp import cpu
+from laya_backend_llamacpp import cpu, memory
 from laya_backend_llamacpp.llama_log import LLAMA_LOG, weight_buffers
 from laya_backend_llamacpp.memory import GGML_TYPE, LLAMA_FLASH_ATTN, flash_attention
 from laya_backend_llamacpp.metadata import metadata_problem
@@ -49,6 +49,7 @@ def load_model(ll: Any, config: ModelConfig) -> tuple[Any, dict[str, Any], str]:
     params = ll.llama_model_default_params()
     params.load_mode = _LOAD_MODE[use_mmap]
     params.use_extra_bufts = repack.enabled
+    offload = _gpu_params(ll, config, params)
     with LLAMA_LOG.capture() as lines:
         model = ll.llama_model_load_from_file(config.path.encode(), params)
     if not model:
@@ -60,8 +61,36 @@ def load_model(ll: Any, config: ModelConfig) -> tuple[Any, dict[str, Any], str]:
         "use_mmap": use_mmap,
         "weight_buffer_bytes": weight_buffers(lines),
         "embedding_pooling": pooling,
+        **offload,
     }
     return model, runtime, pooling
+
+
+_SPLIT_MODE = {"none": 0, "layer": 1, "row": 2}  # enum llama_split_mode
+
+
+def _gpu_params(ll: Any, config: ModelConfig, params: Any) -> dict[str, Any]:
+    """Set the model's GPU offload from ``n_gpu_layers`` and its split options (as the
+    memory plan decided them: "auto" left undecided offloads nothing); what was set, for
+    the runtime report. A build without GPU support cannot offload: said, not ignored."""
+    layers = memory.gpu_layers(config)
+    params.n_gpu_layers = layers
+    if not layers:
+        return {"n_gpu_layers": 0}
+    if not ll.llama_supports_gpu_offload():
+        raise RuntimeError(f"n_gpu_layers = {layers}, but this llama-cpp-python was built "
+                           "without GPU support; rebuild it with CUDA (make install GPU=cuda)")
+    mode = config.options.get("split_mode", "layer")
+    params.split_mode = _SPLIT_MODE[mode]
+    params.main_gpu = int(config.options.get("main_gpu", 0))
+    split = config.options.get("tensor_split")
+    if split:
+        # Kept on the params object: llama.cpp reads the array during the load.
+        params._laya_tensor_split = (ctypes.c_float * memory.MAX_GPUS)(*map(float, split))
+        params.tensor_split = ctypes.cast(params._laya_tensor_split,
+                                          ctypes.POINTER(ctypes.c_float))
+    return {"n_gpu_layers": layers, "split_mode": mode, "main_gpu": params.main_gpu,
+            "tensor_split": split}
 
 
 def model_info(ll: Any, model: Any) -> tuple[ModelInfo, Any, int, LlamaTokenizer]:
@@ -103,4 +132,5 @@ def context_params(ll: Any, config: ModelConfig, *, n_ctx: int, max_num_seqs: in
     params.type_k = params.type_v = GGML_TYPE[config.kv_cache_dtype]
     params.no_perf = True
     params.flash_attn_type = LLAMA_FLASH_ATTN[flash_attention(config)]
+    params.offload_kqv = bool(config.options.get("offload_kqv", True))
     return params

@@ -138,10 +138,22 @@ def memory_profile(config: ModelConfig, shape: ModelShape) -> MemoryProfile:
                f"off: {step} x {view} cells x (heads {shape.n_heads} + 1) x 4 B)")
     compute += step * shape.hidden_size * 32  # the rest: masks, norms (measured, below)
     how += f", + {step} x hidden x 32 B"
+    weights_on, kv_on, gpus = gpu_placement(config, shape, per_token)
+    weights, source = shape.weights_bytes, shape.weights_source
+    if gpus:
+        n = min(gpu_layers(config), shape.n_layers + 1)
+        source += (f"; n_gpu_layers {n}: the last {min(n, shape.n_layers)} of "
+                   f"{shape.n_layers} layers" + (" and the output head" if n > shape.n_layers
+                                                 else "") + " on the GPU")
+    if shape.output_tied and shape.n_layers in layer_devices(config, shape.n_layers):
+        weights += shape.output_bytes
+        source += "; the tied output head copied to the GPU"
     return MemoryProfile(
-        weights_bytes=shape.weights_bytes, weights_source=shape.weights_source,
+        weights_bytes=weights, weights_source=source,
         kv_bytes_per_token=per_token, kv_dtype=config.kv_cache_dtype,
+        weights_on=weights_on, kv_bytes_per_token_on=kv_on,
         overheads=(
+            *_gpu_overheads(gpus, compute, how),
             Overhead("compute buffer", compute, how),
             Overhead("KV padding", (cells - pool) * per_token,
                      f"{cells} cells in {'one buffer' if unified else f'{seqs} streams'}: "
@@ -198,3 +210,84 @@ def _feed_forward_length(path: str) -> int:
     value = meta.get(f"{meta.get('general.architecture')}.feed_forward_length")
     values = value if isinstance(value, list) else [value]
     return max((int(v) for v in values if isinstance(v, int)), default=0)
+
+
+# GPU offload (``n_gpu_layers``): llama.cpp puts the last n repeating layers on the GPUs,
+# and with n above the layer count the output head too; the token embedding stays in host
+# memory. Each offloaded layer's KV goes with it (``offload_kqv``, on by default).
+SPLIT_MODES = ("layer", "row", "none")
+MAX_GPUS = 16  # llama.cpp's LLAMA_MAX_DEVICES in CUDA builds
+
+
+def gpu_layers(config: ModelConfig) -> int:
+    """The layers ``n_gpu_layers`` offloads; "auto" not yet decided by a plan: none."""
+    value = config.options.get("n_gpu_layers", "auto")
+    return value if type(value) is int and value > 0 else 0
+
+
+def split_shares(config: ModelConfig) -> list[float]:
+    """Each GPU's share of the offloaded layers: ``tensor_split`` normalized ([1.0]: one)."""
+    split = [float(x) for x in config.options.get("tensor_split") or [1.0]]
+    total = sum(split)
+    return [x / total for x in split]
+
+
+def layer_devices(config: ModelConfig, n_layers: int) -> dict[int, int]:
+    """Which GPU each offloaded layer goes to (index n_layers: the output head), as
+    llama.cpp assigns them: layer mode cuts the offloaded span by the cumulative shares;
+    row and none keep each layer's KV and compute on ``main_gpu``."""
+    n = gpu_layers(config)
+    first = max(0, n_layers - n)
+    layers = list(range(first, n_layers)) + ([n_layers] if n > n_layers else [])
+    mode = config.options.get("split_mode", "layer")
+    main = int(config.options.get("main_gpu", 0))
+    if mode != "layer":
+        return {il: main for il in layers}
+    shares = split_shares(config)
+    bounds = [sum(shares[:i + 1]) for i in range(len(shares))]
+    span = max(1, n_layers - first)
+    out = {}
+    for il in layers:
+        at = min(il, n_layers) - first
+        gpu = next((i for i, b in enumerate(bounds) if at / span < b), len(bounds) - 1)
+        out[il] = gpu
+    return out
+
+
+def gpu_placement(config: ModelConfig, shape: ModelShape,
+                  per_token: int) -> tuple[dict[str, int], dict[str, int], list[str]]:
+    """(weights by GPU, KV bytes per token by GPU, the GPUs used) for ``n_gpu_layers``."""
+    from laya_core.memory.devices import gpu_name
+
+    where = layer_devices(config, shape.n_layers)
+    if not where:
+        return {}, {}, []
+    weights: dict[str, int] = {}
+    kv: dict[str, int] = {}
+    per_layer_kv = per_token // max(1, shape.n_layers)
+    row = config.options.get("split_mode", "layer") == "row"
+    for il, gpu in where.items():
+        size = shape.output_bytes if il == shape.n_layers else shape.layer_weights(il)
+        if row:  # each layer's matrices cut across the GPUs by the shares
+            for i, share in enumerate(split_shares(config)):
+                if share:
+                    weights[gpu_name(i)] = weights.get(gpu_name(i), 0) + int(size * share)
+        else:
+            weights[gpu_name(gpu)] = weights.get(gpu_name(gpu), 0) + size
+        if il < shape.n_layers and config.options.get("offload_kqv", True):
+            kv[gpu_name(gpu)] = kv.get(gpu_name(gpu), 0) + per_layer_kv
+    used = sorted({*weights, *kv}, key=lambda d: int(d.split(":")[1]))
+    return weights, kv, used
+
+
+def _gpu_overheads(gpus: list[str], compute: int, how: str) -> list[Overhead]:
+    """Each GPU's own lines: the process's CUDA context there, and a compute buffer sized
+    as the host's (llama.cpp allocates one per device for the graph's part it runs)."""
+    from laya_core.memory.devices import CUDA_CONTEXT_BYTES
+
+    out = []
+    for d in gpus:
+        out += [Overhead("CUDA context", CUDA_CONTEXT_BYTES, "the driver's and libraries' "
+                         "state (an estimate; tools/gpu_check.sh measures it)", device=d),
+                Overhead("GPU compute buffer", compute, f"as the host's: {how}", device=d)]
+    return out

@@ -25,6 +25,7 @@ from laya_core.backend import (
 from laya_core.engine.embed_jobs import EmbedPlan, embed_whole, pooled_rows
 from laya_core.engine.threads import ThreadGovernor
 from laya_core.kv.dtypes import FLOAT_KV_DTYPES
+from laya_core.memory.devices import Gpus
 from laya_core.models.files import ModelShape, read_shape
 from laya_core.models.pooling import DEFAULT_POOLING
 from laya_core.types import Sample, SamplingParams
@@ -60,6 +61,17 @@ class TorchBackend(Backend):
     @classmethod
     def check_option(cls, name: str, value: object) -> str | None:
         return options.check(name, value)
+
+    @classmethod
+    def check_devices(cls, config: ModelConfig, gpus: Gpus) -> dict[str, str]:
+        device = memory.planned_device(config)
+        if device == "cpu" or device in gpus.budgets:
+            return {}
+        has = f"it has {', '.join(gpus.names)}" if gpus.budgets else \
+            "it has none (no NVIDIA driver found)"
+        return {"options.device": f'"{config.options["device"]}": this machine has no such '
+                f'CUDA GPU ({has}); use "cpu", or plan for another machine with laya plan '
+                "--gpus"}
 
     @classmethod
     def check_options(cls, opts: dict[str, Any]) -> dict[str, str]:

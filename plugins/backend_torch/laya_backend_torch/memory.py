@@ -22,9 +22,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
 from laya_backend_torch.options import INT4_GROUP
 from laya_core.backend import MemoryProfile, ModelConfig, Overhead
 from laya_core.kv.dtypes import kv_bytes_per_token
+from laya_core.memory.devices import CUDA_CONTEXT_BYTES
 from laya_core.memory.ledger import sampled_rows_per_step, scored_tokens_per_step
 from laya_core.models.files import ModelShape
 
@@ -80,6 +83,16 @@ SAMPLED_ROW_BYTES = 56
 # top between steps, and the next step's peak stands on it (measured: 10 to 56 MiB left by
 # the steps before a scored chunk of 128 rows, whose float32 logits are 24 MiB).
 MMAP_THRESHOLD_MAX = 32 * MIB
+# A CUDA build of torch in host RAM once it has made its context: libtorch_cuda, cuBLAS,
+# cuDNN and the driver's host side. An estimate (commonly 1-2 GiB of RSS), not measured on
+# a GPU of this project's yet: tools/gpu_check.sh prints the measured one.
+TORCH_CUDA_RUNTIME_BYTES = 1536 * MIB
+
+
+def planned_device(config: ModelConfig) -> str:
+    """The device the replica's tensors live on: "cpu" or a GPU's name ("cuda:0")."""
+    device = str(config.options.get("device", "cpu"))
+    return "cuda:0" if device == "cuda" else device
 
 
 def planned_dtype(config: ModelConfig) -> str:
@@ -227,28 +240,38 @@ def memory_profile(config: ModelConfig, shape: ModelShape) -> MemoryProfile:
     # they do not cover is planned on top.
     later = kv_per_token * pool_tokens(config) + activations + logits
     load = max(0, load_transient_bytes(config, c, weights, vocabulary, quantize) - later)
+    device = planned_device(config)
+    gpu = device != "cpu"
     overheads = [
         Overhead("step activations", activations,
                  f"{config.max_step_tokens} step tokens x 8 x (hidden + intermediate) x dtype "
                  f"bytes, + the widest attention read ({history_tokens(config)} tokens of K "
-                 "and V)"),
+                 "and V)", device=device),
         Overhead("logits", logits,
                  f"vocab x ({sampled} sampled rows x {SAMPLED_ROW_BYTES} B (logits, sampler) "
-                 f"+ {scored} scored rows x {SCORED_ROW_BYTES} B (logits, log-softmax))"),
-        Overhead("heap kept", heap_kept_bytes(config, shape.vocab_size),
-                 "freed step memory the C library keeps resident below its trim threshold: "
-                 "twice a step's largest float32 logits (capped by the 32 MiB mmap "
-                 "threshold)"),
+                 f"+ {scored} scored rows x {SCORED_ROW_BYTES} B (logits, log-softmax))",
+                 device=device),
+        # On a GPU the steps' memory is the CUDA caching allocator's, not the C library's.
+        *([] if gpu else [Overhead(
+            "heap kept", heap_kept_bytes(config, shape.vocab_size),
+            "freed step memory the C library keeps resident below its trim threshold: "
+            "twice a step's largest float32 logits (capped by the 32 MiB mmap threshold)")]),
         # Allocated (zeroed) with the pool; an embedding's passes are no larger than a
         # step's, and run between steps, so their activations are the step's line.
         *([Overhead("embeddings", embed_cells(config) * kv_per_token,
                     f"the embedding scratch: KV of one input of {embed_cells(config)} tokens "
-                    "(max_seq_len), in the pool's dtype")] if config.embeddings else []),
+                    "(max_seq_len), in the pool's dtype", device=device)]
+          if config.embeddings else []),
         # One libtorch per process: replicas in one process share it, and the plan
         # counts it once; each replica's engine thread has its own OpenMP threads.
-        Overhead("torch runtime", runtime,
+        Overhead("torch runtime", TORCH_CUDA_RUNTIME_BYTES if gpu else runtime,
+                 "libtorch with CUDA's libraries, host side (an estimate; "
+                 "tools/gpu_check.sh measures it)" if gpu else
                  "libtorch imported and its kernels run (measured, torch 2.13 CPU)",
                  shared="libtorch"),
+        *([Overhead("CUDA context", CUDA_CONTEXT_BYTES, "the driver's and libraries' state "
+                    "(an estimate; tools/gpu_check.sh measures it)", shared=f"cuda {device}",
+                    device=device)] if gpu else []),
         Overhead("torch threads", threads * TORCH_RUNTIME_BYTES_PER_THREAD,
                  f"{threads} threads' stacks and heap arenas (measured)"),
         Overhead("vocabulary", vocabulary,
@@ -256,7 +279,9 @@ def memory_profile(config: ModelConfig, shape: ModelShape) -> MemoryProfile:
                  "(measured)"),
     ]
     if config.lora_slots:
-        overheads.append(lora_overhead(config, c))
+        overheads.append(attrs.evolve(lora_overhead(config, c), device=device))
+    if gpu:  # the load reads on the host; what it makes goes to the GPU
+        load = load_transient_bytes(config, c, weights, vocabulary, quantize)
     if load:
         overheads.append(Overhead(
             "load peak", load, "what the load holds for a moment (reading the vocabulary, "
@@ -264,7 +289,9 @@ def memory_profile(config: ModelConfig, shape: ModelShape) -> MemoryProfile:
     return MemoryProfile(
         weights_bytes=weights, weights_source=f"{shape.weights_source}; loaded as {how}",
         kv_bytes_per_token=kv_per_token, kv_dtype=config.kv_cache_dtype,
-        overheads=tuple(overheads))
+        overheads=tuple(overheads),
+        weights_on={device: weights} if gpu else {},
+        kv_bytes_per_token_on={device: kv_per_token} if gpu else {})
 
 
 def lora_overhead(config: ModelConfig, c: Any) -> Overhead:
