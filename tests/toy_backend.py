@@ -25,13 +25,22 @@ from typing import Any
 
 import attrs
 
-from laya_core.backend import Backend, ModelConfig, ModelInfo, StepItem, StepResult
+from laya_core.backend import (
+    Backend,
+    MemoryProfile,
+    ModelConfig,
+    ModelInfo,
+    Overhead,
+    StepItem,
+    StepResult,
+)
 from laya_core.config import manifest as mf
 from laya_core.engine.allowed_tokens import NO_TOKEN_ALLOWED
 from laya_core.engine.engine import Engine
 from laya_core.engine.scheduler import FcfsScheduler
 from laya_core.hookspecs import hookimpl
 from laya_core.kv.policies import PagedKVCache
+from laya_core.models.files import ModelShape
 from laya_core.models.tokenizer import Tokenizer
 from laya_core.plugins import load_registry
 from laya_core.serving.deployment import Deployment
@@ -59,7 +68,19 @@ class ToyBackend(Backend):
 
     name = "toy"
     kv_layout = "paged"
-    option_names = frozenset({"load_delay_s", "fail_load", "step_delay_s", "crash_load"})
+    # gpu_bytes: a line of that many bytes on "cuda:0" in its plan (nothing is allocated),
+    # for the residency of models on a GPU planned for another machine.
+    option_names = frozenset({"load_delay_s", "fail_load", "step_delay_s", "crash_load",
+                              "gpu_bytes"})
+
+    @classmethod
+    def memory_profile(cls, config: ModelConfig, shape: ModelShape) -> MemoryProfile:
+        profile = super().memory_profile(config, shape)
+        gpu = config.options.get("gpu_bytes")
+        if not gpu:
+            return profile
+        return attrs.evolve(profile, overheads=(
+            *profile.overheads, Overhead("toy on a GPU", int(gpu), "the option", device="cuda:0")))
     supports_prompt_logprobs = True
     supports_speculative = True
 

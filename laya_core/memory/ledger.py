@@ -160,6 +160,18 @@ class Plan:
         """What all replicas of ``model`` hold, as planned."""
         return sum(r.total_bytes for r in self.replicas if r.model == model)
 
+    def model_gpu_bytes(self, model: str) -> dict[str, int]:
+        """What all replicas of ``model`` hold on each GPU, as planned."""
+        mine = [r for r in self.replicas if r.model == model]
+        return {d: sum(r.bytes_on(d) for r in mine) for d in {d for r in mine for d in r.gpus}}
+
+    @property
+    def gpu_room(self) -> dict[str, int]:
+        """By GPU, what its budget leaves beside the pinned replicas' share of it: the room
+        of the models loaded on demand."""
+        return {d: b.bytes - sum(r.bytes_on(d) for r in self.pinned)
+                for d, b in self.gpus.budgets.items()}
+
     @property
     def pinned(self) -> tuple[ReplicaLedger, ...]:
         """The replicas loaded with the server (``load = "always"``)."""

@@ -135,7 +135,8 @@ class Deployment:
         transports.connect()  # Ray's cluster, where replicas run there
         self.residency = Residency(
             self, [], plan.budget.bytes if plan else None,
-            plan.runtime_bytes + sum(r.total_bytes for r in plan.pinned) if plan else 0)
+            plan.runtime_bytes + sum(r.total_bytes for r in plan.pinned) if plan else 0,
+            gpu_room=plan.gpu_room if plan else None)
         for config in manifest.models:
             self._add(config)
 
@@ -162,7 +163,8 @@ class Deployment:
         if config.on_demand:
             self.residency.add(Resident(
                 config.name, self.plan.model_bytes(config.name) if self.plan else 0,
-                config.queue_timeout_s, config.idle_unload_s, config.max_queue))
+                config.queue_timeout_s, config.idle_unload_s, config.max_queue,
+                gpu_bytes=self.plan.model_gpu_bytes(config.name) if self.plan else {}))
         self.adapters = {**self.adapters, **{name: config.name for name in config.lora}}
         self.models = {**self.models, config.name: config}
 

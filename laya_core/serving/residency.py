@@ -30,7 +30,7 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import attrs
@@ -87,6 +87,8 @@ class Resident:
     queue_timeout_s: float
     idle_unload_s: float | None
     max_queue: int = 64  # requests that may wait for its load; more are refused
+    # What its replicas hold on each GPU, as planned ("cuda:0" -> bytes).
+    gpu_bytes: Mapping[str, int] = attrs.field(factory=dict)
     status: Status = Status.UNLOADED
     last_used: float = 0.0  # time.monotonic() of its last request, or its last busy look
     in_use: int = 0  # requests between acquire() and release(): not yet on a replica
@@ -118,14 +120,18 @@ class Residency:
 
     ``budget_bytes`` None: no budget (a deployment built in code without a plan), so every
     load finds room and only the idle timer unloads. ``fixed_bytes``: what the runtime and
-    the pinned models hold, which the on-demand ones fit beside."""
+    the pinned models hold, which the on-demand ones fit beside. ``gpu_room``: by GPU, what
+    its budget leaves beside the pinned models' share of it; a model fits where every
+    device holds it."""
 
     def __init__(self, host: Host, residents: list[Resident], budget_bytes: int | None,
-                 fixed_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
+                 fixed_bytes: int, clock: Callable[[], float] = time.monotonic,
+                 gpu_room: Mapping[str, int] | None = None) -> None:
         self.host = host
         self.residents = {r.name: r for r in residents}
         self.budget_bytes = budget_bytes
         self.fixed_bytes = fixed_bytes
+        self.gpu_room = dict(gpu_room or {})
         self._clock = clock
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # a model unloaded or went idle
@@ -255,8 +261,12 @@ class Residency:
     def _room_for(self, resident: Resident) -> bool:
         if self.budget_bytes is None:
             return True
-        others = sum(r.planned_bytes for r in self.residents.values()
-                     if r is not resident and r.holds_memory)
+        held = [r for r in self.residents.values() if r is not resident and r.holds_memory]
+        for device, need in resident.gpu_bytes.items():
+            others = sum(r.gpu_bytes.get(device, 0) for r in held)
+            if others + need > self.gpu_room.get(device, 0):
+                return False
+        others = sum(r.planned_bytes for r in held)
         return self.fixed_bytes + others + resident.planned_bytes <= self.budget_bytes
 
     def _victim(self, resident: Resident) -> Resident | None:

@@ -17,7 +17,7 @@ import pytest
 from toy_backend import PLUGIN
 
 from laya_core.config import manifest as mf
-from laya_core.memory.planner import make_plan
+from laya_core.memory.planner import Machine, make_plan
 from laya_core.plugins import load_registry
 from laya_core.serving.deployment import Deployment
 from laya_core.serving.residency import LoadFailedError, NoRoomError
@@ -106,6 +106,34 @@ def test_loads_on_first_use_and_unloads_the_least_recently_used(started: Any) ->
     asyncio.run(ask(d, "b"))
     b = d.residency.status("b")
     assert b is not None and b["loads"] == 2
+
+
+def test_a_gpu_holds_its_models_as_the_host_does(tmp_path: Any) -> None:
+    """Models on a GPU (planned for a machine with one, ``laya plan --gpus``; the toy
+    allocates nothing there): where the host has room for both but the GPU for one, the
+    second's load unloads the first, and the GPU's planned share never passes its budget."""
+    registry = load_registry([PLUGIN])
+    gib = 1 << 30
+    models = [model(n, load="on_demand", options={"gpu_bytes": 6 * gib}) for n in "ab"]
+    manifest = mf.resolve(mf.from_dict({"models": models}), registry)
+    plan = make_plan(manifest, registry, machine=Machine(gpus=(10 * gib,)))
+    assert plan.fits and plan.gpu_room["cuda:0"] < 12 * gib
+    assert plan.total_bytes * 3 < plan.budget.bytes  # the host holds both at once
+    d = Deployment(manifest, registry, plan)
+    d.start()
+    try:
+        assert d.wait_ready(10)
+
+        async def run() -> None:
+            assert await ask(d, "a") is FinishReason.LENGTH
+            assert await ask(d, "b") is FinishReason.LENGTH
+
+        asyncio.run(run())
+        assert [status(d, n) for n in "ab"] == ["unloaded", "loaded"]
+        a = d.residency.status("a")
+        assert a is not None and a["unloads"] == {"evicted": 1}
+    finally:
+        d.stop()
 
 
 def test_the_idle_timer_unloads(started: Any) -> None:
