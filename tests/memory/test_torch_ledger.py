@@ -110,3 +110,36 @@ def test_rss_matches_the_ledger(dtype: str, reports: dict[str, dict[str, Any]]) 
     for peak in (stages["load_peak"], stages["step_peak"]):
         assert peak <= plan["total_bytes"]
         assert peak - stages["start"] <= ledger["total_bytes"] * (1 + KV_TOLERANCE)
+
+
+def test_a_draft_models_lines_match_its_rss() -> None:
+    """The embedded model drafting for its float16 copy on the torch backend
+    (tests/draft_models.py): loading the draft as the engine does grows RSS by its weights,
+    KV pool and vocabulary lines; its largest step peaks within its activations, logits and
+    heap lines; libtorch is not loaded twice; the process stays within the plan."""
+    from draft_models import f16_copy
+
+    model = {**MODEL, "path": str(f16_copy()), "options": DTYPES["bfloat16"],
+             "speculative": {"method": "draft", "model": "embedded:smollm2-135m-instruct"}}
+    script = Path(__file__).with_name("torch_rss_stages.py")
+    out = subprocess.run([sys.executable, str(script), json.dumps({"models": [model]})],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    stages, plan = report["stages"], report["plan"]
+    (ledger,) = plan["replicas"]
+    lines = {o["name"]: o["bytes"] for o in ledger["overheads"]}
+    loaded = sum(lines[f"draft model {n}"] for n in ("weights", "KV", "vocabulary"))
+    step_lines = sum(lines[f"draft model {n}"] for n in ("step activations", "logits",
+                                                         "heap kept"))
+    growth = stages["draft"] - stages["pool_full"]
+    step = stages["draft_step_peak"] - stages["draft"]
+    print(f"\ndraft model: loaded +{growth / MIB:.1f} MiB, lines {loaded / MIB:.1f} MiB; "
+          f"largest step +{step / MIB:.1f}, lines {step_lines / MIB:.1f}; process peak "
+          f"{stages['draft_step_peak'] / MIB:.1f} MiB, plan {plan['total_bytes'] / MIB:.1f}")
+    assert close(growth, loaded, WEIGHTS_TOLERANCE)
+    assert step <= step_lines * (1 + KV_TOLERANCE)
+    # Its runtime line is libtorch's, shared: counted once in the total.
+    assert lines["draft model torch runtime"] == lines["torch runtime"]
+    assert plan["shared_bytes_counted_once"] >= lines["torch runtime"]
+    assert stages["draft_step_peak"] <= plan["total_bytes"]

@@ -6,7 +6,8 @@ The stages are the ledger's lines: ``start`` (laya imported) to ``torch`` (libto
 and its kernels run once, on a tiny random model of the same dtype) is the torch runtime;
 ``torch`` to ``weights`` the weights and the tokenizer; ``weights`` to ``allocated`` the KV
 pool; ``allocated`` to ``step_peak`` one step's activations and logits, the largest of a
-workload that fills the pool.
+workload that fills the pool. A model with a draft model then loads it (``draft``) and
+fills its pool (``draft_full``, ``draft_step_peak``).
 """
 
 from __future__ import annotations
@@ -127,6 +128,17 @@ def main() -> None:
     stages["allocated"] = rss()
     step_peaks = fill_pool(backend, config, tokens)
     stages["pool_full"], stages["step_peak"] = rss(), max(step_peaks.values())
+    if config.speculative is not None and config.speculative.method == "draft":
+        # The draft model as the engine loads it (laya_core/engine/draft_model.py), then
+        # its pool filled as the model's was.
+        from laya_core.engine import draft_model
+
+        tok = backend.tokenizer()
+        draft = draft_model.load(config, type(backend),
+                                 [tok.token_bytes(i) for i in range(tok.vocab_size)])
+        stages["draft"] = rss()
+        draft_peaks = fill_pool(draft.backend, draft_model.draft_config(config), tokens)
+        stages["draft_full"], stages["draft_step_peak"] = rss(), max(draft_peaks.values())
     print(json.dumps({"stages": stages, "step_peaks": step_peaks, "plan": plan.to_json(),
                       "runtime": backend.describe()}))
 
