@@ -44,6 +44,7 @@ endef
 install: $(STAMP)
 
 $(STAMP): pyproject.toml plugins/backend_llamacpp/pyproject.toml plugins/backend_torch/pyproject.toml \
+		plugins/backend_exl2/pyproject.toml \
 		$(ROUTER_SOURCES) $(EXAMPLE_SOURCES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@rm -f $(LOG)
@@ -57,6 +58,9 @@ $(STAMP): pyproject.toml plugins/backend_llamacpp/pyproject.toml plugins/backend
 	$(call pip_compiling,llama.cpp,$(LLAMA_PIP_FLAGS) -e '.[test]' -e plugins/backend_llamacpp)
 	$(call pip_compiling,the C++ router,./plugins/router_nanobind)
 	$(BIN)/python -m pip install --quiet -e plugins/backend_torch
+	# The exllama backends: importable and planned everywhere; exllamav2/v3 (CUDA only) are
+	# not installed here (the plugin's extras), so they refuse to start without a GPU.
+	$(BIN)/python -m pip install --quiet -e plugins/backend_exl2
 	# gptqmodel, the reference the quantized-checkpoint tests read GPTQ and AWQ folders with
 	# (tests/quantized_folders.py), in a folder of its own and without its dependencies: it
 	# pins numpy and transformers versions the rest does not take. It runs in a child process.

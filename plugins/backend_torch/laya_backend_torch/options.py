@@ -74,6 +74,9 @@ def check_path(path: str) -> str | None:
         if not any(p.glob("*.safetensors")):
             return f"{path} has no .safetensors weights (pickled .bin checkpoints are not " \
                    "loaded: they can run code)"
+        if (method := _quant_method(p)) in ("exl2", "exl3"):
+            return f"{path} is an {method.upper()} folder, which only exllama runs: backend " \
+                   f'= "{method}" (an NVIDIA GPU with CUDA)'
         return None
     try:
         with open(p, "rb") as f:
@@ -81,6 +84,28 @@ def check_path(path: str) -> str | None:
     except OSError as e:
         return f"cannot read {path}: {e.strerror}"
     return None if magic == b"GGUF" else f"{path} is neither a GGUF file nor a model folder"
+
+
+def _quant_method(folder: Path) -> str | None:
+    """``config.json``'s ``quantization_config.quant_method``, lower case; "exl2" for an
+    EXL2 folder converted without it (its first safetensors header names ``*.q_weight``
+    tensors); None: neither."""
+    import json
+    import struct
+
+    try:
+        qc = json.loads((folder / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(qc, dict):
+        return str(qc.get("quant_method", "")).lower()
+    try:
+        with min(folder.glob("*.safetensors")).open("rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            names = json.loads(f.read(min(n, 100_000_000))) if n < 100_000_000 else {}
+    except (OSError, ValueError, struct.error):
+        return None
+    return "exl2" if any(str(k).endswith(".q_weight") for k in names) else None
 
 
 @attrs.frozen
