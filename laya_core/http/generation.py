@@ -197,7 +197,7 @@ async def start(deployment: Deployment, request: ChatRequest | CompletionRequest
     request can still get a proper status. On any error nothing is left running. ``session``
     (the X-Session-ID header) defaults to the request's ``user``.
     """
-    if (base := deployment.adapters.get(request.common.model)) is not None:
+    if (base := deployment.lora.parents.get(request.common.model)) is not None:
         # A LoRA adapter's name: its base model runs the request, with the adapter.
         request = attrs.evolve(request, common=attrs.evolve(
             request.common, model=base, lora=request.common.model))

@@ -7,7 +7,7 @@ before any replica reads it, loads it on every replica of the model or on none, 
 then routes requests naming it. An unload stops routing requests to it at once and answers
 when every replica has unloaded it, after the requests using it have finished. One change
 runs at a time. A model loaded on demand is loaded for a load (and held meanwhile), and
-keeps the adapters loaded now through its later loads (``Deployment.load_adapter``).
+keeps the adapters loaded now through its later loads (``serving/adapters.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from laya_core.http.body import json_body
 from laya_core.http.errors import APIError, invalid
 from laya_core.http.replicas import ready_client
 from laya_core.models.lora import AdapterError
-from laya_core.serving.deployment import AdapterRoomError, Deployment
+from laya_core.serving.adapters import AdapterRoomError
+from laya_core.serving.deployment import Deployment
 
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:/-")
 
@@ -62,7 +63,7 @@ def lora_routes(deployment: Deployment) -> list[Route]:
 
     def check_room(model: str, path: str) -> None:
         try:
-            deployment.check_adapter(model, path)
+            deployment.lora.check(deployment.models[model], path)
         except AdapterRoomError as e:
             raise invalid("lora_name", str(e), "too_many_adapters") from None
         except AdapterError as e:
@@ -77,14 +78,14 @@ def lora_routes(deployment: Deployment) -> list[Route]:
             raise invalid("lora_name", "use 1-128 letters, digits and . _ : / -")
         model = base_model(body)
         async with changing:
-            if name in deployment.models or name in deployment.adapters:
+            if name in deployment.models or name in deployment.lora.parents:
                 raise invalid("lora_name", f"{name!r} is the name of a model or an adapter "
                               "already", "name_taken")
             await asyncio.to_thread(check_room, model, path)
             # An on-demand model loads first, as for a request, and stays loaded meanwhile.
             async with ready_client(deployment, model):
                 try:
-                    await deployment.load_adapter(model, name, path)
+                    await deployment.lora.load(deployment.clients_of(model), model, name, path)
                 except ValueError as e:
                     raise invalid("lora_path", str(e)) from None
         return JSONResponse({"object": "lora_adapter", "lora_name": name, "model": model,
@@ -96,18 +97,18 @@ def lora_routes(deployment: Deployment) -> list[Route]:
             raise invalid("lora_name", "the body must be a JSON object", "invalid_type")
         name = string(body, "lora_name")
         async with changing:
-            if name not in deployment.adapters:
+            if name not in deployment.lora.parents:
                 raise APIError(404, f"no adapter {name!r} is loaded; see GET /v1/models",
                                param="lora_name", code="lora_not_found")
-            model = deployment.adapters[name]
+            model = deployment.lora.parents[name]
             resident = deployment.residency.status(model)
             if resident is None:  # loaded always
-                await deployment.unload_adapter(name)
+                await deployment.lora.unload(name, deployment.clients_of(model))
             elif resident["status"] in ("loaded", "loading"):
                 async with ready_client(deployment, model):
-                    await deployment.unload_adapter(name)
+                    await deployment.lora.unload(name, deployment.clients_of(model))
             else:  # not loaded: its next load leaves the adapter out
-                await deployment.unload_adapter(name, loaded=False)
+                await deployment.lora.unload(name, None)
         return JSONResponse({"object": "lora_adapter", "lora_name": name, "model": model,
                              "status": "unloaded"})
 

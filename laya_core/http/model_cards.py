@@ -43,19 +43,19 @@ def model_routes(deployment: Deployment) -> list[Route]:
     def adapter_card(name: str) -> dict[str, Any]:
         """A LoRA adapter, as vLLM lists one: its folder as ``root``, its model as ``parent``
         (whose status it shares)."""
-        parent = deployment.adapters[name]
+        parent = deployment.lora.parents[name]
         card = model_card(parent)
-        return {**card, "id": name, "root": deployment.adapter_tables[parent].get(name),
+        return {**card, "id": name, "root": deployment.lora.of(parent).get(name),
                 "parent": parent, "replicas": card["replicas"], "planned_bytes": None}
 
     async def list_models(request: Request) -> Response:
         return JSONResponse({"object": "list",
                              "data": [*(model_card(n) for n in deployment.models),
-                                      *(adapter_card(n) for n in deployment.adapters)]})
+                                      *(adapter_card(n) for n in deployment.lora.parents)]})
 
     async def get_model(request: Request) -> Response:
         name = request.path_params["model"]
-        if name in deployment.adapters:
+        if name in deployment.lora.parents:
             return JSONResponse(adapter_card(name))
         if name not in deployment.models:
             raise APIError(404, f"the model {name!r} does not exist; see GET /v1/models",

@@ -9,9 +9,7 @@ are :mod:`laya_core.serving.prompts`'; the line a loaded replica logs is
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import contextlib
 import functools
 import logging
 import time
@@ -26,14 +24,13 @@ from laya_core.engine.engine import Engine
 from laya_core.engine.state import EngineState
 from laya_core.logs import resident_bytes
 from laya_core.memory.ledger import Plan
-from laya_core.models.checks import ModelFileError
-from laya_core.models.lora import AdapterError, rank_limit
 from laya_core.plugins import Registry
 from laya_core.replica.client import EngineClient, LocalEngineClient, ReplicaSnapshot
 from laya_core.replica.engine_backend import EngineBackendClient
 from laya_core.replica.factory import Transports, replica_client
 from laya_core.replica.remote import RemoteEngineClient
 from laya_core.routing.router import ReplicaState, Router
+from laya_core.serving.adapters import Adapters
 from laya_core.serving.load_log import log_loaded
 from laya_core.serving.prompts import ChatPrompts
 from laya_core.serving.residency import Residency, Resident
@@ -42,10 +39,6 @@ from laya_core.structured.tool_formats import ToolFormat, tool_format
 from laya_core.structured.tools import ToolUse
 
 log = logging.getLogger(__name__)
-
-
-class AdapterRoomError(ValueError):
-    """The plan holds room for no more LoRA adapters on the model (its max_loras)."""
 
 
 class UnknownModelError(LookupError):
@@ -113,13 +106,9 @@ class Deployment:
         self._started: dict[int, float] = {}  # replica -> when its client was started
         self._stopped = False
         self.models: dict[str, ModelConfig] = {}
-        # LoRA adapters' names -> the model each adapts (ModelConfig.lora): a request naming
-        # an adapter runs on its model, with it.
-        self.adapters: dict[str, str] = {}
-        # Each model's adapters now, name -> path (its lora table, and those loaded or
-        # unloaded while serving): a replica made for an on-demand model's next load loads
-        # these, and /v1/models shows each one's path.
-        self.adapter_tables: dict[str, dict[str, str]] = {}
+        # The LoRA adapters: which model each adapts, and each model's now (a replica made
+        # for an on-demand model's next load loads these; /v1/models shows their paths).
+        self.lora = Adapters(registry)
         # Tokens per KV block of each model's backend (Backend.block_size), known before
         # any replica loads: the router's prefix hashes and /live's blocks count in them.
         self.block_sizes: dict[str, int] = {}
@@ -148,7 +137,7 @@ class Deployment:
         cls = registry.backends[config.backend].obj
         apart = self._transports.runs_apart(config, cls)
         clients, makers = list(self.clients), list(self._make_client)
-        self.adapter_tables = {**self.adapter_tables, config.name: dict(config.lora)}
+        self.lora.add_model(config)
         for index in range(config.replicas):
             make = functools.partial(self._replica_client, config, len(clients), apart, index)
             makers.append(make)
@@ -165,72 +154,14 @@ class Deployment:
                 config.name, self.plan.model_bytes(config.name) if self.plan else 0,
                 config.queue_timeout_s, config.idle_unload_s, config.max_queue,
                 gpu_bytes=self.plan.model_gpu_bytes(config.name) if self.plan else {}))
-        self.adapters = {**self.adapters, **{name: config.name for name in config.lora}}
         self.models = {**self.models, config.name: config}
 
     def _replica_client(self, config: ModelConfig, replica: int, apart: bool,
                         index: int) -> EngineClient:
         """A new client of one of ``config``'s replicas, loading the model's adapters now."""
-        config = attrs.evolve(config, lora=self.adapter_tables[config.name])
+        config = attrs.evolve(config, lora=self.lora.of(config.name))
         return replica_client(config, replica, self.registry, self._transports, apart,
                               self._changed, self._worker_loaded, self._loaded, index)
-
-    def check_adapter(self, model: str, path: str) -> None:
-        """Whether the adapter at ``path`` may be loaded on ``model`` now: an adapter of its
-        shape in its backend's format (else AdapterError), of a rank the plan holds room for (``max_lora_rank``),
-        with fewer than ``max_loras`` loaded (else AdapterRoomError). Reads headers only."""
-        config = self.models[model]
-        backend = self.registry.backends[config.backend].obj
-        try:
-            shape = backend.model_shape(config.path)
-        except (ModelFileError, OSError, ValueError) as e:
-            raise AdapterError(f"the model's shape could not be read: {e}") from None
-        adapter = backend.read_adapter(path, shape)
-        limit = rank_limit(config.max_lora_rank,
-                           [backend.read_adapter(p, None).rank for p in config.lora.values()])
-        if adapter.rank > limit:
-            raise AdapterError(f"the adapter's rank {adapter.rank} is above max_lora_rank "
-                               f"({limit}), which the memory plan holds room for")
-        loaded = sum(1 for m in self.adapters.values() if m == model)
-        if loaded >= config.lora_slots:
-            raise AdapterRoomError(f"{loaded} adapters are loaded on {model!r}, its "
-                                   "max_loras; unload one first")
-
-    async def load_adapter(self, model: str, name: str, path: str) -> None:
-        """Load LoRA adapter ``name`` on every replica of ``model`` (all or none), then route
-        requests naming it there. A worker that restarts loads it again (its config says
-        it), and so do the replicas of an on-demand model's later loads. The caller has
-        checked the folder and the plan's room, and holds an on-demand model loaded."""
-        done: list[EngineClient] = []
-        try:
-            for client in self.clients_of(model):
-                await client.adapter("load", name, path)
-                done.append(client)
-        except BaseException:
-            for client in done:
-                with contextlib.suppress(Exception):
-                    await client.adapter("unload", name)
-            raise
-        for client in done:
-            _note_adapter(client, name, path)
-        self.adapter_tables = {**self.adapter_tables,
-                               model: {**self.adapter_tables[model], name: path}}
-        self.adapters = {**self.adapters, name: model}
-
-    async def unload_adapter(self, name: str, loaded: bool = True) -> None:
-        """Stop routing requests to adapter ``name``, and unload it from each replica once
-        the requests using it there have finished; ``loaded`` False: its model is an
-        on-demand one that is not loaded (nor loading), whose next load leaves it out."""
-        model = self.adapters[name]
-        self.adapters = {k: v for k, v in self.adapters.items() if k != name}
-        self.adapter_tables = {**self.adapter_tables, model: {
-            k: v for k, v in self.adapter_tables[model].items() if k != name}}
-        if not loaded:
-            return
-        clients = self.clients_of(model)
-        for client in clients:
-            _note_adapter(client, name, None)
-        await asyncio.gather(*(c.adapter("unload", name) for c in clients))
 
     def add_model(self, config: ModelConfig, plan: Plan | None) -> None:
         """Serve one more model, loaded on demand (one found while serving: ``laya serve
@@ -462,13 +393,3 @@ def _wait_ready(client: EngineClient, timeout: float | None) -> bool:
     if isinstance(client, LocalEngineClient):
         return client.engine.wait_ready(timeout)
     return bool(client.wait_ready(timeout))  # type: ignore[attr-defined]
-
-
-def _note_adapter(client: EngineClient, name: str, path: str | None) -> None:
-    """Keep a worker's config in step with the adapters loaded while serving (``path``
-    None: unloaded), so that a restarted worker loads them again."""
-    if isinstance(client, RemoteEngineClient):
-        lora = {k: v for k, v in client.config.lora.items() if k != name}
-        if path is not None:
-            lora[name] = path
-        client.config = attrs.evolve(client.config, lora=lora)
