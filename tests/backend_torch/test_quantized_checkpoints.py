@@ -337,8 +337,8 @@ def test_a_cuda_device_serves_act_order_gptq_as_the_cpu_does(
                         strict=True):
         table = list(range(-(-len(ids) // 16)))
         with torch.inference_mode():
-            gpu = backend._model.forward(
-                build_batch([(ids, 0, table)], list(range(len(ids))), 16)).float().cpu()
+            batch = build_batch([(ids, 0, table)], list(range(len(ids))), 16)
+            gpu = backend._model.forward(batch.to(backend._model.device)).float().cpu()
         assert (gpu - cpu).abs().max().item() < 3.0
         assert (gpu.argmax(-1) != cpu.argmax(-1)).sum().item() <= 2
     backend.close()
