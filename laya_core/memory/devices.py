@@ -7,7 +7,7 @@ budget is, in order of precedence:
 - ``[memory] gpu_budget``: one size for every GPU, or a table of sizes by device;
 - what ``laya plan --gpus 24GiB,24GiB`` says a machine has (planning for another machine),
   less a headroom;
-- what this machine's driver reports free (NVML through ``pynvml`` where installed, else
+- what this machine's driver reports free (NVML, the driver's library, through ctypes; else
   ``torch.cuda.mem_get_info``), less a headroom.
 
 A machine without NVIDIA's driver has no GPUs, and finding that out imports nothing.
@@ -15,6 +15,7 @@ A machine without NVIDIA's driver has no GPUs, and finding that out imports noth
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 from collections.abc import Mapping
@@ -110,21 +111,56 @@ def _driver_present() -> bool:
     return os.path.exists("/proc/driver/nvidia/gpus") or os.path.exists("/dev/nvidia0")
 
 
+class _NvmlMemory(ctypes.Structure):
+    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong),
+                ("used", ctypes.c_ulonglong)]
+
+
 def _free_by_nvml() -> list[int] | None:
+    """Each GPU's free bytes in NVML's order, from the driver's own library (shipped with
+    it) through ctypes: neither torch nor pynvml is imported, so the front end of a
+    llama.cpp deployment does not grow by libtorch to read a number. None: NVML failed."""
     try:
-        import pynvml  # type: ignore[import-not-found]
-    except ImportError:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    if nvml.nvmlInit_v2() != 0:
         return None
     try:
-        pynvml.nvmlInit()
-        try:
-            return [int(pynvml.nvmlDeviceGetMemoryInfo(
-                pynvml.nvmlDeviceGetHandleByIndex(i)).free)
-                for i in range(pynvml.nvmlDeviceGetCount())]
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # noqa: BLE001 - an NVML error: ask torch
-        return None
+        count = ctypes.c_uint()
+        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+            return None
+        free = []
+        for i in range(count.value):
+            handle, memory = ctypes.c_void_p(), _NvmlMemory()
+            if (nvml.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(handle)) != 0
+                    or nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)) != 0):
+                return None
+            free.append(int(memory.free))
+        return free
+    finally:
+        nvml.nvmlShutdown()
+
+
+def visible(free: list[int], setting: str | None) -> list[int] | None:
+    """The GPUs CUDA numbers cuda:0, cuda:1 ... under ``CUDA_VISIBLE_DEVICES`` (``setting``;
+    None: all, in NVML's order, which is CUDA's where ``CUDA_DEVICE_ORDER=PCI_BUS_ID``), from
+    NVML's list; None where the setting names them otherwise (UUIDs, MIG instances), for
+    CUDA itself to say. CUDA stops at the first entry that is not a GPU."""
+    if setting is None:
+        return free
+    if not setting.strip():
+        return []  # none visible
+    out = []
+    for entry in setting.split(","):
+        entry = entry.strip()
+        if not entry.lstrip("-").isdigit():
+            return None
+        index = int(entry)
+        if not 0 <= index < len(free):
+            break
+        out.append(free[index])
+    return out
 
 
 def _free_by_torch() -> list[int]:
@@ -141,7 +177,10 @@ def detect() -> Gpus:
     """This machine's GPUs with their free memory, less headroom; none without a driver."""
     if not _driver_present():
         return NO_GPUS
-    free = _free_by_nvml()
+    nvml = _free_by_nvml()
+    free = None if nvml is None else visible(nvml, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if free is not None and len(free) > 1 and os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
+        free = None  # CUDA numbers them fastest first, which NVML does not know: ask CUDA
     source = "free memory (NVML)"
     if free is None:
         free, source = _free_by_torch(), "free memory (torch.cuda.mem_get_info)"

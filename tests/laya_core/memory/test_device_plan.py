@@ -278,3 +278,25 @@ def test_a_gpu_budget_for_a_gpu_the_machine_lacks_is_named(tmp_path: Path) -> No
                           "24GiB", str(manifest)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert "memory.gpu_budget.cuda:3" in run.stderr and "cuda:0" in run.stderr
+
+
+def test_cuda_visible_devices_renumbers_nvmls_gpus() -> None:
+    """NVML lists every GPU; CUDA numbers only the visible ones, in the order given, up to
+    the first that is not a GPU; names other than numbers are left to CUDA (None)."""
+    free = [10, 20, 30]
+    assert devices.visible(free, None) == [10, 20, 30]
+    assert devices.visible(free, "2,0") == [30, 10]
+    assert devices.visible(free, "1,7,0") == [20]
+    assert devices.visible(free, "") == []
+    assert devices.visible(free, "GPU-8e6f0b9c") is None
+    assert devices.visible(free, "-1") == []
+
+
+def test_a_machine_without_a_driver_has_no_gpus_and_imports_nothing() -> None:
+    import sys
+
+    if devices._driver_present():
+        pytest.skip("for a machine without NVIDIA's driver; this one has it")
+    before = set(sys.modules)
+    assert devices.detect() == devices.NO_GPUS
+    assert not {"torch", "pynvml"} & (set(sys.modules) - before)
