@@ -7,8 +7,8 @@ budget is, in order of precedence:
 - ``[memory] gpu_budget``: one size for every GPU, or a table of sizes by device;
 - what ``laya plan --gpus 24GiB,24GiB`` says a machine has (planning for another machine),
   less a headroom;
-- what this machine's driver reports free (NVML, the driver's library, through ctypes; else
-  ``torch.cuda.mem_get_info``), less a headroom.
+- what this machine's driver reports free (NVML, the driver's own library, through ctypes:
+  the core imports no GPU library), less a headroom.
 
 A machine without NVIDIA's driver has no GPUs, and finding that out imports nothing.
 """
@@ -118,8 +118,8 @@ class _NvmlMemory(ctypes.Structure):
 
 def _free_by_nvml() -> list[int] | None:
     """Each GPU's free bytes in NVML's order, from the driver's own library (shipped with
-    it) through ctypes: neither torch nor pynvml is imported, so the front end of a
-    llama.cpp deployment does not grow by libtorch to read a number. None: NVML failed."""
+    it) through ctypes: the front end of a llama.cpp deployment does not grow by libtorch to
+    read a number. None: NVML failed (no GPU then)."""
     try:
         nvml = ctypes.CDLL("libnvidia-ml.so.1")
     except OSError:
@@ -145,8 +145,8 @@ def _free_by_nvml() -> list[int] | None:
 def visible(free: list[int], setting: str | None) -> list[int] | None:
     """The GPUs CUDA numbers cuda:0, cuda:1 ... under ``CUDA_VISIBLE_DEVICES`` (``setting``;
     None: all, in NVML's order, which is CUDA's where ``CUDA_DEVICE_ORDER=PCI_BUS_ID``), from
-    NVML's list; None where the setting names them otherwise (UUIDs, MIG instances), for
-    CUDA itself to say. CUDA stops at the first entry that is not a GPU."""
+    NVML's list; None where the setting names them otherwise (UUIDs, MIG instances). CUDA
+    stops at the first entry that is not a GPU."""
     if setting is None:
         return free
     if not setting.strip():
@@ -163,27 +163,22 @@ def visible(free: list[int], setting: str | None) -> list[int] | None:
     return out
 
 
-def _free_by_torch() -> list[int]:
-    try:
-        import torch
-    except ImportError:
-        return []
-    if not torch.cuda.is_available():
-        return []
-    return [int(torch.cuda.mem_get_info(i)[0]) for i in range(torch.cuda.device_count())]
-
-
 def detect() -> Gpus:
     """This machine's GPUs with their free memory, less headroom; none without a driver."""
     if not _driver_present():
         return NO_GPUS
     nvml = _free_by_nvml()
-    free = None if nvml is None else visible(nvml, os.environ.get("CUDA_VISIBLE_DEVICES"))
-    if free is not None and len(free) > 1 and os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
-        free = None  # CUDA numbers them fastest first, which NVML does not know: ask CUDA
+    if nvml is None:
+        return NO_GPUS
     source = "free memory (NVML)"
+    free = visible(nvml, os.environ.get("CUDA_VISIBLE_DEVICES"))
     if free is None:
-        free, source = _free_by_torch(), "free memory (torch.cuda.mem_get_info)"
+        free, source = nvml, ("free memory (NVML; CUDA_VISIBLE_DEVICES names GPUs otherwise "
+                              "than by number, so all are planned: set [memory] gpu_budget)")
+    elif len(free) > 1 and os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
+        # CUDA numbers GPUs fastest first by default, NVML by bus: alike for GPUs of one kind.
+        source = ("free memory (NVML, in bus order; CUDA_DEVICE_ORDER=PCI_BUS_ID makes "
+                  "CUDA's numbers the same)")
     return Gpus({gpu_name(i): _less_headroom(f, source) for i, f in enumerate(free)})
 
 
