@@ -21,6 +21,7 @@ from laya_core.config import cli_settings, sources
 from laya_core.config import manifest as mf
 from laya_core.config.table import Problems
 from laya_core.memory import planner
+from laya_core.memory.report import format_plan
 from laya_core.models.files import ModelFileError
 from laya_core.plugins import FAMILIES, TRACE_ENV, PluginError, Registry, load_registry
 
@@ -54,7 +55,7 @@ def cmd_check(args: argparse.Namespace, registry: Registry) -> int:
               + (f", load on_demand (idle_unload_s {m.idle_unload_s:g})" if m.idle_unload_s
                  else ", load on_demand" if m.on_demand else ""))
     if not plan.fits:
-        print(f"laya: the plan does not fit its memory budget.\n{planner.format_plan(plan)}",
+        print(f"laya: the plan does not fit its memory budget.\n{format_plan(plan)}",
               file=sys.stderr)
         return EXIT_DOES_NOT_FIT
     return EXIT_MANIFEST if registry.failures else 0
@@ -90,7 +91,7 @@ def cmd_plan(args: argparse.Namespace, registry: Registry) -> int:
             raise mf.ManifestError("--user", str(e)) from None
         print(text, end="")
     else:
-        print(planner.format_plan(plan))
+        print(format_plan(plan))
         if manifest.cluster.engine == "ray":  # only then is Ray imported
             from laya_core.replica import ray_placement
 
@@ -135,7 +136,7 @@ def cmd_serve(args: argparse.Namespace, registry: Registry) -> int:
     plan = planner.make_plan(manifest, registry, serving=True)
     if not plan.fits:
         print("laya: refusing to start: the plan does not fit its memory budget.\n"
-              f"{planner.format_plan(plan)}", file=sys.stderr)
+              f"{format_plan(plan)}", file=sys.stderr)
         return EXIT_DOES_NOT_FIT
     return serve(planner.decided_manifest(manifest, plan), registry, plan)
 

@@ -19,7 +19,7 @@ from laya_backend_exl2.options import chunk_tokens
 
 from laya_core.backend import MemoryProfile, ModelConfig
 from laya_core.config import manifest as mf
-from laya_core.memory import planner
+from laya_core.memory import planner, report
 from laya_core.memory.devices import CUDA_CONTEXT_BYTES
 from laya_core.models.files import read_shape
 from laya_core.plugins import load_registry
@@ -144,7 +144,7 @@ def test_a_plan_for_a_machine_with_two_gpus_splits_auto_by_their_budgets(folder:
         "max_num_seqs": 2, "options": {"gpu_split": "auto"}}]}), registry)
     plan = planner.make_plan(manifest, registry,
                              machine=planner.Machine(gpus=(24 * GIB, 24 * GIB)))
-    assert plan.fits, planner.format_plan(plan)
+    assert plan.fits, report.format_plan(plan)
     (replica,) = plan.replicas
     split = replica.config.options["gpu_split"]
     assert isinstance(split, list) and len(split) == 2 and split[0] == split[1]

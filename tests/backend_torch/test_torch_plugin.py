@@ -12,7 +12,8 @@ import pytest
 
 from laya_core.config import manifest as mf
 from laya_core.memory.ledger import Plan
-from laya_core.memory.planner import format_plan, make_plan
+from laya_core.memory.planner import make_plan
+from laya_core.memory.report import format_plan
 from laya_core.plugins import load_registry
 
 

@@ -15,10 +15,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import attrs
 import numpy as np
 
-from laya_backend_llamacpp import cpu, loading, memory, sampling
+from laya_backend_llamacpp import cpu, gpu_options, loading, memory, sampling
 from laya_backend_llamacpp.embedder import Embedder
 from laya_backend_llamacpp.llama_log import LLAMA_LOG
 from laya_backend_llamacpp.lora import LoraAdapters
@@ -48,12 +47,6 @@ from laya_core.types import Sample, SamplingParams
 log = logging.getLogger(__name__)
 
 _MAX_THREADS = 512  # GGML_MAX_N_THREADS
-
-
-def _offloads(gpus: Gpus) -> bool:
-    """Whether layers can go to ``gpus``: said of another machine (``laya plan --gpus``),
-    yes; on this one, where the installed llama.cpp was built with GPU support."""
-    return not gpus.local or bool(loading.llama().llama_supports_gpu_offload())
 
 
 def _u8(buf: np.ndarray) -> Any:
@@ -112,23 +105,8 @@ class LlamaCppBackend(Backend):
             ok = value == "auto" or (type(value) is int and 1 <= value <= _MAX_THREADS)
             return None if ok else \
                 f'must be "auto" or a whole number from 1 to {_MAX_THREADS}, not {value!r}'
-        if name == "n_gpu_layers":
-            ok = value == "auto" or (type(value) is int and 0 <= value <= 100_000)
-            return None if ok else f'must be "auto" or a whole number of layers, 0 or more, ' \
-                f"not {value!r}"
-        if name == "split_mode":
-            return None if value in memory.SPLIT_MODES else \
-                f"must be one of {', '.join(memory.SPLIT_MODES)}, not {value!r}"
-        if name == "main_gpu":
-            ok = type(value) is int and 0 <= value < memory.MAX_GPUS
-            return None if ok else f"must be a GPU's number from 0 to {memory.MAX_GPUS - 1}, " \
-                f"not {value!r}"
-        if name == "tensor_split":
-            ok = (isinstance(value, list) and 1 <= len(value) <= memory.MAX_GPUS
-                  and all(type(x) in (int, float) and 0 <= x < 1e6 for x in value)
-                  and sum(value) > 0)
-            return None if ok else f"must be a list of 1 to {memory.MAX_GPUS} shares, one " \
-                f"per GPU (numbers, 0 or more, not all 0), not {value!r}"
+        if name in gpu_options.OPTIONS:
+            return gpu_options.check_option(name, value)
         if name == "saved_kv_tokens":
             ok = type(value) is int and value >= 0
             return None if ok else f"must be a whole number of tokens, 0 or more, not {value!r}"
@@ -142,37 +120,11 @@ class LlamaCppBackend(Backend):
     @classmethod
     def place(cls, config: ModelConfig, shape: ModelShape,
               gpus: Gpus) -> tuple[ModelConfig, int]:
-        limit = shape.n_layers + 1 if gpus.budgets and _offloads(gpus) else 0
-        names = gpus.names
-        if (len(names) > 1 and "tensor_split" not in config.options
-                and config.options.get("split_mode", "layer") != "none"):
-            # llama.cpp splits by each GPU's free memory; the plan, by each one's budget.
-            shares = [round(gpus.budget_bytes(d) / 2**30, 3) for d in names]
-            config = attrs.evolve(config, options={**config.options, "tensor_split": shares})
-        return config, limit
+        return gpu_options.place(config, shape, gpus)
 
     @classmethod
     def check_devices(cls, config: ModelConfig, gpus: Gpus) -> dict[str, str]:
-        layers = config.options.get("n_gpu_layers", "auto")
-        if type(layers) is int and layers > 0:  # asked for: refused where it cannot be
-            if not gpus.budgets:
-                return {"options.n_gpu_layers": f"{layers} layers on a GPU, but this machine "
-                        "has none (no NVIDIA driver found); remove it (\"auto\" offloads "
-                        "what fits where there is a GPU), or plan for another machine with "
-                        "laya plan --gpus"}
-            if not _offloads(gpus):
-                return {"options.n_gpu_layers": f"{layers} layers on a GPU, but this "
-                        "llama-cpp-python was built without GPU support; rebuild it with "
-                        "CUDA (make install GPU=cuda)"}
-        if not gpus.budgets:
-            return {}
-        problems = {}
-        if config.options.get("main_gpu", 0) >= len(gpus.names):
-            problems["options.main_gpu"] = f"this machine has {len(gpus.names)} GPU(s)"
-        if len(config.options.get("tensor_split") or ()) > len(gpus.names):
-            problems["options.tensor_split"] = (f"{len(config.options['tensor_split'])} shares"
-                                                f" for {len(gpus.names)} GPU(s)")
-        return problems
+        return gpu_options.check_devices(config, gpus)
 
     @classmethod
     def check_model_path(cls, path: str) -> str | None:

@@ -12,7 +12,7 @@ from laya_core.builtin.model_paths import embedded_file
 from laya_core.config import manifest as mf
 from laya_core.kv.dtypes import kv_bytes_per_token
 from laya_core.memory import budget as budget_mod
-from laya_core.memory import planner
+from laya_core.memory import planner, report
 from laya_core.models.files import ModelFileError, read_shape
 from laya_core.plugins import load_registry
 
@@ -214,5 +214,5 @@ def test_on_demand_models_fit_one_at_a_time_beside_the_pinned_ones(tmp_path: Pat
     tight = plan_of(models, budget=budget - 1)  # type: ignore[arg-type]
     assert not tight.fits
     assert tight.suggestions and all(s.startswith("models[2].") for s in tight.suggestions)
-    text = planner.format_plan(tight)
+    text = report.format_plan(tight)
     assert "largest on demand" in text and "Each model named needs one of its lines" in text
