@@ -98,10 +98,11 @@ def test_rss_matches_the_ledger(dtype: str, reports: dict[str, dict[str, Any]]) 
     assert close(kv, ledger["kv_pool_bytes"] + lines.get("embeddings", 0), KV_TOLERANCE)
     # The largest step's activations and logits at their peak, on what the steps before it
     # left in the heap: 10 to 56 MiB in runs of this test, so the peak moves by that much
-    # from run to run. The plan holds the most the heap keeps, and the step's own lines are
-    # not overstated.
+    # from run to run. The plan holds the most the heap keeps. The step's own lines are not
+    # overstated: the step may reuse what the heap kept (the awq step read 135.8 MiB of RSS
+    # growth against 161.5 MiB of lines and 48.0 MiB kept), never more than that.
     assert step <= step_ledger * (1 + KV_TOLERANCE)
-    assert step >= step_own * (1 - WEIGHTS_TOLERANCE)
+    assert step + lines["heap kept"] >= step_own * (1 - WEIGHTS_TOLERANCE)
     assert stages["pool_full"] - stages["allocated"] <= step_ledger
     # The process never above the plan, and its growth since laya was imported never above
     # the replica's ledger (within the KV pool's tolerance, as every line has its own):
