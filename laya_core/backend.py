@@ -158,7 +158,12 @@ class StepItem:
     while the token it samples is the draft's next one, the row after it too, with the
     sequence's own sampler, and then drops the KV of the draft tokens it did not keep
     (positions from ``start_pos + len(tokens) - len(draft) + accepted``). Only backends that
-    say ``supports_speculative`` are given drafts, and never with ``allowed_tokens``.
+    say ``supports_speculative`` are given drafts. A constrained sequence's draft comes with
+    ``draft_allowed``: the mask of the row after each draft token (the grammar's state
+    once that token is taken), applied to that row's sample as ``allowed_tokens`` is to the
+    first; a row whose mask allows nothing is not sampled (the draft ends there). Empty:
+    those rows are free. Every draft token is allowed by the mask of the row before it, so a
+    row's sample is the one a plain decode of the same text would draw.
     """
 
     # The backend's name for the sequence (``KVCache.handle``): its sequence id on the paged
@@ -176,6 +181,14 @@ class StepItem:
     # sequences (a cached prefix) and are only read. Empty for the streams layout.
     block_table: Sequence[int] = ()
     draft: Sequence[int] = ()
+    draft_allowed: Sequence[AllowedTokens | None] = attrs.field(default=())
+
+    @draft_allowed.validator
+    def _one_mask_a_draft_token(self, attribute: attrs.Attribute[Any],
+                                masks: Sequence[AllowedTokens | None]) -> None:
+        if masks and len(masks) != len(self.draft):
+            raise ValueError(f"draft_allowed holds {len(masks)} masks for a draft of "
+                             f"{len(self.draft)} tokens: one a draft token, or none")
 
 
 @attrs.frozen

@@ -122,5 +122,17 @@ class AllowedTokens:
 # once before each token the sequence samples.
 TokenConstraint = Callable[[Sequence[int]], AllowedTokens | None]
 
+
+def masks_along(constraint: TokenConstraint, generated: Sequence[int],
+                draft: Sequence[int]) -> list[AllowedTokens | None] | None:
+    """The masks of a drafted step's rows (speculative decoding): for the token after
+    ``generated``, then after each draft token for as long as each is allowed where it
+    stands, so ``len(result) - 1`` draft tokens can be checked. None where ``constraint``
+    cannot look ahead: a constraint that can has a method ``along(generated, draft)`` doing
+    this without moving its own state (structured output's matchers do); a plain callable
+    sees only the tokens a sequence keeps, so its sequence decodes without drafts."""
+    along = getattr(constraint, "along", None)
+    return None if along is None else list(along(generated, draft))
+
 NO_TOKEN_ALLOWED = ("the output constraint allows no next token: it cannot be continued "
                     "from the tokens generated so far")

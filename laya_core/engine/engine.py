@@ -159,9 +159,10 @@ class Engine:
         seq = Request(next(self._ids), list(prompt_token_ids), params, constraint=constraint,
                       min_last_chunk=self.backend.min_last_prompt_chunk)
         spec = self.config.speculative
-        # Drafts are checked row by row with the sequence's own sampler; a constraint's mask
-        # would have to follow each draft token, so a constrained sequence decodes plainly.
-        if spec is not None and params.speculative and constraint is None \
+        # Drafts are checked row by row with the sequence's own sampler, each row under its
+        # constraint's mask where it has one: a constraint that cannot look ahead of the
+        # tokens kept (a plain callable) leaves its sequence decoding without drafts.
+        if spec is not None and params.speculative and seq.drafts_under_constraint \
                 and self.backend.supports_speculative:
             seq.drafter = NgramDrafter(spec, seq.prompt_token_ids) if self._draft is None \
                 else ModelDrafter(self._draft, spec)

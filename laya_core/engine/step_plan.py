@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import attrs
 
 from laya_core.backend import StepItem
+from laya_core.engine.allowed_tokens import AllowedTokens
 from laya_core.engine.request import Request
 from laya_core.kv.policies import KVCache, KVOp
 
@@ -29,6 +30,9 @@ class PlannedChunk:
     # A decoding sequence's drafted next tokens, fed after ``tokens`` for the model to check
     # (laya_core/engine/speculative.py); not the sequence's tokens unless it keeps them.
     draft: tuple[int, ...] = ()
+    # A constrained sequence's masks for its sampled rows, where it has a draft: the next
+    # token's, then one after each draft token (Request.allowed_along); () otherwise.
+    masks: tuple[AllowedTokens | None, ...] = ()
 
     @property
     def samples(self) -> bool:
@@ -39,11 +43,14 @@ class PlannedChunk:
         """What the backend is asked: the tokens to feed, the prompt tokens to score, and
         the tokens the sampled one may be."""
         seq, samples = self.seq, self.samples
+        allowed = None
+        if samples:
+            allowed = self.masks[0] if self.masks else seq.allowed_tokens()
         return StepItem(self.seq_id, self.tokens + self.draft, self.start_pos, samples,
                         seq.score_targets(self.start_pos, len(self.tokens)),
                         seq.params.prompt_logprobs or 0, block_table=self.block_table,
-                        allowed_tokens=seq.allowed_tokens() if samples else None,
-                        draft=self.draft)
+                        allowed_tokens=allowed, draft=self.draft,
+                        draft_allowed=self.masks[1:])
 
 
 @attrs.frozen
@@ -65,7 +72,8 @@ def build_plan(kv: KVCache, order: Iterable[Request], max_step_tokens: int,
     scored row needs a row of logits, counted in the memory plan). A sequence whose only
     chunk would leave one lone last prompt token waits (``Request.tokens_to_compute``). A
     decoding sequence with a drafter feeds its draft too, inside the budget, and never past
-    the room it was admitted with (``Request.max_total_tokens``).
+    the room it was admitted with (``Request.max_total_tokens``); a constrained one only as
+    far as its constraint allows each draft token, with the mask of every row it samples.
     """
     budget, scored = max_step_tokens, max_scored_tokens
     chunks: list[PlannedChunk] = []
@@ -80,8 +88,12 @@ def build_plan(kv: KVCache, order: Iterable[Request], max_step_tokens: int,
                 # k drafts and the token after them: at most max_total_tokens in all.
                 room = min(budget - 1, seq.max_total_tokens - seq.num_tokens - 1)
                 draft = tuple(seq.drafter.draft(seq.output_token_ids, room))
+            masks: tuple[AllowedTokens | None, ...] = ()
+            if draft and seq.constraint is not None:
+                masks = seq.allowed_along(draft)
+                draft = draft[:len(masks) - 1]
             chunks.append(PlannedChunk(seq, tuple(tokens), seq.num_computed, kv.handle(seq),
-                                       kv.block_table(seq), draft))
+                                       kv.block_table(seq), draft, masks))
             budget -= len(tokens) + len(draft)
             scored -= len(tokens) if scoring else 0
     return StepPlan(kv.take_ops(), tuple(chunks))

@@ -308,6 +308,46 @@ def test_speculative_decoding_gives_the_tokens_of_a_plain_run(
     idle(spec)
 
 
+def test_drafts_under_an_output_constraint_keep_its_tokens(
+        laya_engine: Engine, laya_speculative_engine: Engine) -> None:
+    """Drafts under an output constraint (``StepItem.draft_allowed``): each checked row
+    samples under its own mask. The list below is copied from the prompt until the pattern
+    asks for a comma where the prompt has a period: the draft is cut before the period, and
+    the row after "date" must be sampled under its mask (the model, left alone, says the
+    period). The output is the pattern's and the plain replica's (up to a near-tie), and
+    drafts were kept. Then a JSON schema, copied from the prompt, the same way."""
+    from laya_core.structured import formats
+    from laya_core.structured.compiler import GrammarCompiler
+
+    spec = laya_speculative_engine
+    assert spec.tokenizer is not None and spec.info is not None
+    compiler = GrammarCompiler(spec.tokenizer, spec.info)
+    listed = " banana, cherry, date, fig, grape."
+    record = ('{"name": "the lighthouse keeper", "steps": ["climb the stairs", "light the '
+              'lamp", "wind the clock", "watch the sea", "write the log"]}')
+    cases = [
+        (formats.regex(listed.replace(".", "\\."), "pattern"),
+         "The list: apple, banana, cherry, date. The list again: apple,"),
+        (formats.json_schema({"type": "object", "properties": {
+            "name": {"type": "string"}, "steps": {"type": "array", "items": {"type": "string"}}},
+            "required": ["name", "steps"], "additionalProperties": False}, "schema"),
+         f"Copy this JSON exactly.\n{record}\nThe copy:\n")]
+    params = SamplingParams(max_tokens=64, temperature=0.0, logprobs=2)
+    for constraint, text in cases:
+        before = attrs.evolve(spec.speculative)
+        got = asyncio.run(one(spec, ids(spec, text), params, compiler.constraint(constraint)))
+        want = asyncio.run(one(laya_engine, ids(laya_engine, text), params,
+                               compiler.constraint(constraint)))
+        assert _agrees(got, want), (text, got.texts, want.texts)
+        kept = spec.speculative.num_accepted_tokens - before.num_accepted_tokens
+        assert kept > 0, f"no draft token was kept under the constraint ({text!r})"
+        if constraint.kind == "regex":
+            assert "".join(got.texts) == listed and got.finish is FinishReason.STOP
+        elif got.finish is FinishReason.STOP:
+            assert set(json.loads("".join(got.texts))) == {"name", "steps"}, got.texts
+    idle(spec)
+
+
 def test_lora_adapters_apply_per_sequence_and_keep_their_kv_apart(
         laya_engine: Engine, laya_lora_engine: Engine) -> None:
     """Three adapters of random matrices (``laya_lora_engine``): ``zero`` (B = 0) answers

@@ -357,10 +357,11 @@ class LlamaCppBackend(Backend):
         # token, that token's row was computed on the right text and is sampled in turn.
         accepted: list[Sample] = []
         last = first
-        for token in item.draft:
-            if last.token_id != token:
+        masks = item.draft_allowed or [None] * len(item.draft)
+        for token, mask in zip(item.draft, masks, strict=True):
+            if last.token_id != token or (mask is not None and mask.is_empty()):
                 break
-            last = self._sample_row(item, row + len(accepted) + 1, None)
+            last = self._sample_row(item, row + len(accepted) + 1, mask)
             accepted.append(last)
         if len(accepted) < len(item.draft):  # the KV of the draft tokens not kept
             dropped = item.start_pos + len(item.tokens) - len(item.draft) + len(accepted)

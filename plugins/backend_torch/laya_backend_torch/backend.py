@@ -337,22 +337,24 @@ class TorchBackend(Backend):
                 sampler = self._samplers[items[i].seq_id]
                 sampler.accept(pick.token_id)
                 out[i] = StepResult(pick, scores.get(i, ()),
-                                    accepted=self._verify(logits, at, items[i].draft, pick,
-                                                          sampler))
+                                    accepted=self._verify(logits, at, items[i], pick, sampler))
         return out
 
-    def _verify(self, logits: Any, at: int, draft: Sequence[int], pick: Sample,
+    def _verify(self, logits: Any, at: int, item: StepItem, pick: Sample,
                 sampler: Any) -> tuple[Sample, ...]:
         """The samples of a draft's rows (``logits[at + 1 ..]``), row after row while each
-        row's token is the draft's next one; the sequence's sampler counts each."""
+        row's token is the draft's next one, each under its mask (``draft_allowed``); the
+        sequence's sampler counts each."""
         from laya_backend_torch.sampling import sample_rows
 
         accepted: list[Sample] = []
-        for j, token in enumerate(draft):
+        masks = item.draft_allowed or [None] * len(item.draft)
+        for j, (token, mask) in enumerate(zip(item.draft, masks, strict=True)):
             if pick.token_id != token:
                 break
-            (sample,) = sample_rows(logits[at + j + 1:at + j + 2], [sampler], [None])
-            assert not isinstance(sample, str)  # (no mask: some token is allowed)
+            (sample,) = sample_rows(logits[at + j + 1:at + j + 2], [sampler], [mask])
+            if isinstance(sample, str):  # the mask allows nothing: the draft ends here
+                break
             sampler.accept(sample.token_id)
             accepted.append(pick := sample)
         return tuple(accepted)
