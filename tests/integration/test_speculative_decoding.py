@@ -15,6 +15,7 @@ the backend's verification itself token for token and digit for digit.)"""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 
 import attrs
@@ -301,8 +302,6 @@ def served_manifest() -> str:
 
 
 def _final_timing(url: str, body: dict[str, object]) -> dict[str, float]:
-    import json
-
     import httpx
 
     timing: dict[str, float] = {}
@@ -341,3 +340,15 @@ def test_served_drafts_show_in_the_timing_metrics_and_live_page(tmp_path) -> Non
         bad = httpx.post(f"{server.url}/v1/chat/completions",
                          json={**copy, "model": "smollm2", "speculative": "no"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "speculative"
+        # Structured output drafts too, through the worker's own compiled matchers, and its
+        # answer still follows the schema.
+        listed = {"type": "json_schema", "json_schema": {"name": "items", "schema": {
+            "type": "array", "items": {"type": "string"}}}}
+        timing = _final_timing(server.url, {**copy, "response_format": listed,
+                                            "max_tokens": 200})
+        assert 0 < timing["spec_accepted_tokens"] <= timing["spec_draft_tokens"]
+        answer = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+            **copy, "model": "smollm2", "max_tokens": 400, "temperature": 0,
+            "response_format": listed}).json()["choices"][0]
+        if answer["finish_reason"] == "stop":
+            assert all(isinstance(x, str) for x in json.loads(answer["message"]["content"]))
