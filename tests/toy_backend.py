@@ -35,7 +35,7 @@ from laya_core.backend import (
     StepResult,
 )
 from laya_core.config import manifest as mf
-from laya_core.engine.allowed_tokens import NO_TOKEN_ALLOWED
+from laya_core.engine.allowed_tokens import NO_TOKEN_ALLOWED, AllowedTokens
 from laya_core.engine.engine import Engine
 from laya_core.engine.scheduler import FcfsScheduler
 from laya_core.hookspecs import hookimpl
@@ -145,24 +145,27 @@ class ToyBackend(Backend):
         fed = end - len(item.draft)  # the draft's rows come after the row that samples
         prompt_len = self.prompt_len.setdefault(item.seq_id, fed)
         token = history[fed % prompt_len] or END
-        result = self._sample(item, token, scores)  # type: ignore[arg-type]
+        if item.allowed_tokens is not None and item.allowed_tokens.is_empty():
+            return StepResult(None, scores, NO_TOKEN_ALLOWED)
+        first = last = self._sample(token, item.allowed_tokens)  # type: ignore[arg-type]
         accepted: list[Sample] = []
-        for j, drafted in enumerate(item.draft):  # kept while the model says the draft
-            if token != drafted:
+        masks = item.draft_allowed or [None] * len(item.draft)
+        # Kept while the model says the draft; each row after a draft token under its mask.
+        for j, (drafted, mask) in enumerate(zip(item.draft, masks, strict=True)):
+            if last.token_id != drafted or (mask is not None and mask.is_empty()):
                 break
-            token = history[(fed + j + 1) % prompt_len] or END
-            accepted.append(Sample(token, 0.0))
+            last = self._sample(history[(fed + j + 1) % prompt_len] or END, mask)
+            accepted.append(last)
         self.started[item.seq_id] = fed + len(accepted)  # the rest is fed again
-        return attrs.evolve(result, accepted=tuple(accepted)) if accepted else result
+        return StepResult(first, scores, accepted=tuple(accepted))
 
     @staticmethod
-    def _sample(item: StepItem, token: int, scores: tuple[Sample, ...]) -> StepResult:
-        allowed = item.allowed_tokens
+    def _sample(token: int, allowed: AllowedTokens | None) -> Sample:
+        """The toy's token, or where its mask refuses it the first token the mask allows
+        (the mask allows some: checked before)."""
         if allowed is None or allowed.allows(token):
-            return StepResult(Sample(token, 0.0), scores)
-        if allowed.is_empty():
-            return StepResult(None, scores, NO_TOKEN_ALLOWED)
-        return StepResult(Sample(int(allowed.token_ids()[0]), float("-inf")), scores)
+            return Sample(token, 0.0)
+        return Sample(int(allowed.token_ids()[0]), float("-inf"))
 
     def free_sequence(self, seq_id: int) -> None:
         del self.started[seq_id]

@@ -315,7 +315,9 @@ def test_drafts_under_an_output_constraint_keep_its_tokens(
     asks for a comma where the prompt has a period: the draft is cut before the period, and
     the row after "date" must be sampled under its mask (the model, left alone, says the
     period). The output is the pattern's and the plain replica's (up to a near-tie), and
-    drafts were kept. Then a JSON schema, copied from the prompt, the same way."""
+    drafts were kept (a model that says the one text a pattern allows says what the prompt
+    holds). Then a JSON schema the output copies from the prompt, where what is kept depends
+    on the model: the output is the plain replica's, and JSON of the schema where it ends."""
     from laya_core.structured import formats
     from laya_core.structured.compiler import GrammarCompiler
 
@@ -339,10 +341,10 @@ def test_drafts_under_an_output_constraint_keep_its_tokens(
         want = asyncio.run(one(laya_engine, ids(laya_engine, text), params,
                                compiler.constraint(constraint)))
         assert _agrees(got, want), (text, got.texts, want.texts)
-        kept = spec.speculative.num_accepted_tokens - before.num_accepted_tokens
-        assert kept > 0, f"no draft token was kept under the constraint ({text!r})"
         if constraint.kind == "regex":
             assert "".join(got.texts) == listed and got.finish is FinishReason.STOP
+            kept = spec.speculative.num_accepted_tokens - before.num_accepted_tokens
+            assert kept > 0, "no draft token was kept under the pattern"
         elif got.finish is FinishReason.STOP:
             assert set(json.loads("".join(got.texts))) == {"name", "steps"}, got.texts
     idle(spec)
