@@ -81,7 +81,7 @@ class StreamsToy(ToyBackend):
                 continue
             prompt_len = self.prompt_len.setdefault(item.seq_id, len(history))
             token = history[len(history) % prompt_len] or 256
-            out.append(self._sample(item, token, scores))
+            out.append(self._answer(item, token, scores))
         return out
 
 

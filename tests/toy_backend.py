@@ -145,9 +145,10 @@ class ToyBackend(Backend):
         fed = end - len(item.draft)  # the draft's rows come after the row that samples
         prompt_len = self.prompt_len.setdefault(item.seq_id, fed)
         token = history[fed % prompt_len] or END
-        if item.allowed_tokens is not None and item.allowed_tokens.is_empty():
-            return StepResult(None, scores, NO_TOKEN_ALLOWED)
-        first = last = self._sample(token, item.allowed_tokens)  # type: ignore[arg-type]
+        result = self._answer(item, token, scores)  # type: ignore[arg-type]
+        if result.sample is None:
+            return result
+        last = result.sample
         accepted: list[Sample] = []
         masks = item.draft_allowed or [None] * len(item.draft)
         # Kept while the model says the draft; each row after a draft token under its mask.
@@ -157,7 +158,15 @@ class ToyBackend(Backend):
             last = self._sample(history[(fed + j + 1) % prompt_len] or END, mask)
             accepted.append(last)
         self.started[item.seq_id] = fed + len(accepted)  # the rest is fed again
-        return StepResult(first, scores, accepted=tuple(accepted))
+        return attrs.evolve(result, accepted=tuple(accepted))
+
+    @classmethod
+    def _answer(cls, item: StepItem, token: int, scores: tuple[Sample, ...]) -> StepResult:
+        """The row that samples: the toy's token under the item's mask, or the error of a
+        mask that allows nothing."""
+        if item.allowed_tokens is not None and item.allowed_tokens.is_empty():
+            return StepResult(None, scores, NO_TOKEN_ALLOWED)
+        return StepResult(cls._sample(token, item.allowed_tokens), scores)
 
     @staticmethod
     def _sample(token: int, allowed: AllowedTokens | None) -> Sample:
