@@ -183,6 +183,11 @@ class StepItem:
     draft: Sequence[int] = ()
     draft_allowed: Sequence[AllowedTokens | None] = attrs.field(default=())
 
+    @property
+    def draft_masks(self) -> Sequence[AllowedTokens | None]:
+        """The mask of the row after each draft token: ``draft_allowed``, or None each."""
+        return self.draft_allowed or (None,) * len(self.draft)
+
     @draft_allowed.validator
     def _one_mask_a_draft_token(self, attribute: attrs.Attribute[Any],
                                 masks: Sequence[AllowedTokens | None]) -> None:

@@ -150,9 +150,8 @@ class ToyBackend(Backend):
             return result
         last = result.sample
         accepted: list[Sample] = []
-        masks = item.draft_allowed or [None] * len(item.draft)
         # Kept while the model says the draft; each row after a draft token under its mask.
-        for j, (drafted, mask) in enumerate(zip(item.draft, masks, strict=True)):
+        for j, (drafted, mask) in enumerate(zip(item.draft, item.draft_masks, strict=True)):
             if last.token_id != drafted or (mask is not None and mask.is_empty()):
                 break
             last = self._sample(history[(fed + j + 1) % prompt_len] or END, mask)

@@ -123,16 +123,13 @@ class AllowedTokens:
 TokenConstraint = Callable[[Sequence[int]], AllowedTokens | None]
 
 
-def masks_along(constraint: TokenConstraint, generated: Sequence[int],
-                draft: Sequence[int]) -> list[AllowedTokens | None] | None:
-    """The masks of a drafted step's rows (speculative decoding): for the token after
-    ``generated``, then after each draft token for as long as each is allowed where it
-    stands, so ``len(result) - 1`` draft tokens can be checked. None where ``constraint``
-    cannot look ahead: a constraint that can has a method ``along(generated, draft)`` doing
-    this without moving its own state (structured output's matchers do); a plain callable
+def looks_ahead(constraint: TokenConstraint) -> bool:
+    """Whether ``constraint`` gives the masks of a drafted step's rows (speculative
+    decoding): it has a method ``along(generated, draft)`` returning the mask for the token
+    after ``generated``, then after each draft token for as long as each is allowed where it
+    stands, without moving its own state (structured output's matchers do). A plain callable
     sees only the tokens a sequence keeps, so its sequence decodes without drafts."""
-    along = getattr(constraint, "along", None)
-    return None if along is None else list(along(generated, draft))
+    return callable(getattr(constraint, "along", None))
 
 NO_TOKEN_ALLOWED = ("the output constraint allows no next token: it cannot be continued "
                     "from the tokens generated so far")

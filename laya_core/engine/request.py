@@ -96,20 +96,18 @@ class Request:
         return None if self.constraint is None else self.constraint(self.output_token_ids)
 
     def allowed_along(self, draft: tuple[int, ...]) -> tuple[AllowedTokens | None, ...]:
-        """The masks of a drafted step's rows: the next token's, then the one after each
-        draft token the constraint allows where it stands (``masks_along``). One, None,
-        without a constraint: the rows are free."""
-        if self.constraint is None:
-            return (None,)
-        from laya_core.engine.allowed_tokens import masks_along
-
-        masks = masks_along(self.constraint, self.output_token_ids, draft)
-        return (self.constraint(self.output_token_ids),) if masks is None else tuple(masks)
+        """The masks of a drafted step's rows under this sequence's constraint (one that
+        ``looks_ahead``): the next token's, then the one after each draft token the
+        constraint allows where it stands."""
+        along = self.constraint.along  # type: ignore[union-attr]
+        return tuple(along(self.output_token_ids, draft))
 
     @property
     def drafts_under_constraint(self) -> bool:
         """Whether drafts can be checked under this sequence's constraint (if it has one)."""
-        return self.constraint is None or hasattr(self.constraint, "along")
+        from laya_core.engine.allowed_tokens import looks_ahead
+
+        return self.constraint is None or looks_ahead(self.constraint)
 
     @property
     def max_total_tokens(self) -> int:

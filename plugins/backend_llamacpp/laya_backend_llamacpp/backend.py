@@ -357,8 +357,7 @@ class LlamaCppBackend(Backend):
         # token, that token's row was computed on the right text and is sampled in turn.
         accepted: list[Sample] = []
         last = first
-        masks = item.draft_allowed or [None] * len(item.draft)
-        for token, mask in zip(item.draft, masks, strict=True):
+        for token, mask in zip(item.draft, item.draft_masks, strict=True):
             if last.token_id != token or (mask is not None and mask.is_empty()):
                 break
             last = self._sample_row(item, row + len(accepted) + 1, mask)

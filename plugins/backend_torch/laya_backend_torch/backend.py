@@ -348,8 +348,7 @@ class TorchBackend(Backend):
         from laya_backend_torch.sampling import sample_rows
 
         accepted: list[Sample] = []
-        masks = item.draft_allowed or [None] * len(item.draft)
-        for j, (token, mask) in enumerate(zip(item.draft, masks, strict=True)):
+        for j, (token, mask) in enumerate(zip(item.draft, item.draft_masks, strict=True)):
             if pick.token_id != token:
                 break
             (sample,) = sample_rows(logits[at + j + 1:at + j + 2], [sampler], [mask])

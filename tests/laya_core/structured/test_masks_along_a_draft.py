@@ -9,7 +9,7 @@ import pytest
 from toy_backend import END, ToyTokenizer
 
 from laya_core.backend import ModelInfo, StepItem
-from laya_core.engine.allowed_tokens import AllowedTokens, masks_along
+from laya_core.engine.allowed_tokens import AllowedTokens, looks_ahead
 from laya_core.structured import formats
 from laya_core.structured.compiler import GrammarCompiler
 
@@ -83,15 +83,15 @@ def test_a_draft_is_cut_at_its_first_token_the_grammar_refuses(compiler) -> None
 
 
 def test_a_plain_callable_cannot_look_ahead(compiler) -> None:
-    """A constraint without ``along`` (a plugin's callable): None, so its sequence decodes
-    without drafts."""
-    plain = compiler.constraint(SCHEMA).__call__
-    assert masks_along(plain, tokens(TEXT[:4]), tokens(TEXT[4:8])) is None
+    """A constraint without ``along`` (a plugin's callable) does not look ahead, so its
+    sequence decodes without drafts; structured output's matchers do."""
+    constraint = compiler.constraint(SCHEMA)
+    assert looks_ahead(constraint) and not looks_ahead(constraint.__call__)
 
 
 def test_a_step_item_holds_one_mask_a_draft_token_or_none() -> None:
     mask = AllowedTokens.of([1, 2], 257)
     StepItem(0, [5, 6, 7], 3, True, draft=(6, 7), draft_allowed=(mask, None))
-    StepItem(0, [5, 6, 7], 3, True, draft=(6, 7))
+    assert StepItem(0, [5, 6, 7], 3, True, draft=(6, 7)).draft_masks == (None, None)
     with pytest.raises(ValueError, match="one a draft token"):
         StepItem(0, [5, 6, 7], 3, True, draft=(6, 7), draft_allowed=(mask,))
