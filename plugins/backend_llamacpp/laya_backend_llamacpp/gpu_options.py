@@ -55,6 +55,7 @@ def place(config: ModelConfig, shape: ModelShape, gpus: Gpus) -> tuple[ModelConf
         config = attrs.evolve(config, options={**config.options, "tensor_split": shares})
     return config, limit
 
+
 def check_devices(config: ModelConfig, gpus: Gpus) -> dict[str, str]:
     """A number of layers where this machine has no GPU or its build cannot offload, or a
     GPU it lacks."""
@@ -72,9 +73,13 @@ def check_devices(config: ModelConfig, gpus: Gpus) -> dict[str, str]:
     if not gpus.budgets:
         return {}
     problems = {}
-    if config.options.get("main_gpu", 0) >= len(gpus.names):
-        problems["options.main_gpu"] = f"this machine has {len(gpus.names)} GPU(s)"
-    if len(config.options.get("tensor_split") or ()) > len(gpus.names):
-        problems["options.tensor_split"] = (f"{len(config.options['tensor_split'])} shares"
-                                            f" for {len(gpus.names)} GPU(s)")
+    have = f"this machine has {len(gpus.names)} GPU(s) ({', '.join(gpus.names)})"
+    main = config.options.get("main_gpu", 0)
+    if main >= len(gpus.names):
+        problems["options.main_gpu"] = (f"GPU {main}, but {have}; name one of them, or plan "
+                                        "for another machine with laya plan --gpus")
+    shares = config.options.get("tensor_split") or ()
+    if len(shares) > len(gpus.names):
+        problems["options.tensor_split"] = (f"{len(shares)} shares, but {have}; give one "
+                                            "share per GPU")
     return problems
