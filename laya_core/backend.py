@@ -352,10 +352,13 @@ class Backend(abc.ABC):
 
     @classmethod
     def check_devices(cls, config: ModelConfig, gpus: Gpus) -> dict[str, str]:
-        """Problems with what ``config`` asks of this machine's GPUs (``gpus``, as found
-        here: one it lacks, a library built without GPU support), by the key they are said
-        under ("options.device", "backend"). ``laya check``, ``laya plan`` and ``laya
-        serve`` call it for the machine they run on, not for one ``--gpus`` describes."""
+        """Problems with what ``config`` asks of the GPUs planned for (one they lack, a
+        library built without GPU support), by the key they are said under
+        ("options.device", "backend"). ``laya check``, ``laya plan`` and ``laya serve``
+        call it for the machine they run on, and ``laya plan --gpus`` for the machine it
+        describes: ``gpus.local`` tells which, and only this machine's GPUs have a build
+        to check (a CUDA library, a driver). ``gpus.machine`` names the machine in an
+        error; ``gpus.elsewhere`` is the hint to plan for another one."""
         return {}
 
     @classmethod

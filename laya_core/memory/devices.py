@@ -73,6 +73,17 @@ class Gpus:
         b = self.budgets.get(device)
         return 0 if b is None else b.bytes
 
+    @property
+    def machine(self) -> str:
+        """The machine these GPUs are on, as an error names it."""
+        return "this machine" if self.local else "the machine planned for (--gpus)"
+
+    @property
+    def elsewhere(self) -> str:
+        """The way out of a refusal here: planning for another machine (none where these
+        GPUs are another machine's already)."""
+        return ", or plan for another machine with laya plan --gpus" if self.local else ""
+
 
 NO_GPUS = Gpus()
 

@@ -205,18 +205,18 @@ def room_for(manifest: Manifest, machine: Machine | None = None) -> Room:
 
 def _device_problems(manifest: Manifest, registry: Registry, room: Room) -> Problems:
     """What the manifest asks of GPUs that the machine planned for lacks: a budget for a
-    GPU it does not have; on this machine, each backend's own checks (``check_devices``)."""
+    GPU it does not have, and each backend's own checks (``check_devices``), for this
+    machine or the one ``--gpus`` describes."""
     problems = Problems()
     configured = manifest.memory.gpu_budget
     for device in configured if isinstance(configured, dict) else ():
         if device not in room.gpus.budgets:
             problems.add(f"memory.gpu_budget.{device}", "the machine has no such GPU (it "
                          f"has {', '.join(room.gpus.names) or 'none'})")
-    if room.gpus.local:
-        for i, m in enumerate(manifest.models):
-            key = f"models[{manifest.model_index.get(m.name, i)}]"
-            for name, message in _backend_cls(registry, m).check_devices(m, room.gpus).items():
-                problems.add(f"{key}.{name}", message)
+    for i, m in enumerate(manifest.models):
+        key = f"models[{manifest.model_index.get(m.name, i)}]"
+        for name, message in _backend_cls(registry, m).check_devices(m, room.gpus).items():
+            problems.add(f"{key}.{name}", message)
     return problems
 
 

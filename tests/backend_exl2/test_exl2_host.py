@@ -73,11 +73,18 @@ def test_without_cuda_the_refusal_is_the_backends_with_a_hint_for_gptq(tmp_path:
 
 def test_gpus_the_machine_lacks_are_named_under_their_option(
         folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("laya_backend_exl2.backend.cuda_problem", lambda *a: None)
+    # Planned for another machine (laya plan --gpus): this machine's CUDA is not asked
+    # about (it has none), only the GPUs that machine has.
     one = devices.given((24 * GIB,))
     assert Exl2Backend.check_devices(config(folder), one) == {}
     assert Exl2Backend.check_devices(config(folder, device="cuda:1"), one) == {
-        "options.device": "this machine has no cuda:1 (its GPUs: cuda:0)"}
+        "options.device": "the machine planned for (--gpus) has no cuda:1 (its GPUs: cuda:0)"}
     assert Exl2Backend.check_devices(config(folder, gpu_split=[8, 8]), one) == {
-        "options.gpu_split": "this machine has no cuda:1 (its GPUs: cuda:0)"}
+        "options.gpu_split": "the machine planned for (--gpus) has no cuda:1 (its GPUs: "
+                             "cuda:0)"}
     assert Exl2Backend.check_devices(config(folder, gpu_split="auto"), one) == {}
+    # On this machine, with CUDA there (as if), the same GPUs are this machine's.
+    monkeypatch.setattr("laya_backend_exl2.backend.cuda_problem", lambda *a: None)
+    here = devices.Gpus(one.budgets)
+    assert Exl2Backend.check_devices(config(folder, device="cuda:1"), here) == {
+        "options.device": "this machine has no cuda:1 (its GPUs: cuda:0)"}

@@ -62,14 +62,15 @@ class ExlBackend(EngineBackend):
 
     @classmethod
     def check_devices(cls, config: ModelConfig, gpus: Gpus) -> dict[str, str]:
-        problem = cuda_problem(cls.name, cls.runtime_cls.library)
+        # This machine's driver, torch and library; another machine's are not known here.
+        problem = cuda_problem(cls.name, cls.runtime_cls.library) if gpus.local else None
         if problem is not None:
             return {"backend": problem + _cpu_hint(config)}
         have = ", ".join(gpus.names) or "none"
         for device in options.wanted_gpus(config.options):
             if device not in gpus.budgets:
                 key = "options.gpu_split" if "gpu_split" in config.options else "options.device"
-                return {key: f"this machine has no {device} (its GPUs: {have})"}
+                return {key: f"{gpus.machine} has no {device} (its GPUs: {have})"}
         return {}
 
     @classmethod

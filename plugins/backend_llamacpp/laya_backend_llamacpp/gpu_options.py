@@ -57,15 +57,15 @@ def place(config: ModelConfig, shape: ModelShape, gpus: Gpus) -> tuple[ModelConf
 
 
 def check_devices(config: ModelConfig, gpus: Gpus) -> dict[str, str]:
-    """A number of layers where this machine has no GPU or its build cannot offload, or a
-    GPU it lacks."""
+    """A number of layers where the machine has no GPU or this build cannot offload, or a
+    GPU it lacks; on this machine or the one planned for (``gpus.local``)."""
     layers = config.options.get("n_gpu_layers", "auto")
     if type(layers) is int and layers > 0:  # asked for: refused where it cannot be
         if not gpus.budgets:
-            return {"options.n_gpu_layers": f"{layers} layers on a GPU, but this machine "
-                    "has none (no NVIDIA driver found); remove it (\"auto\" offloads "
-                    "what fits where there is a GPU), or plan for another machine with "
-                    "laya plan --gpus"}
+            found = " (no NVIDIA driver found)" if gpus.local else ""
+            return {"options.n_gpu_layers": f"{layers} layers on a GPU, but {gpus.machine} "
+                    f"has none{found}; remove it (\"auto\" offloads what fits where there "
+                    f"is a GPU){gpus.elsewhere}"}
         if not _offloads(gpus):
             return {"options.n_gpu_layers": f"{layers} layers on a GPU, but this "
                     "llama-cpp-python was built without GPU support; rebuild it with "
@@ -73,11 +73,11 @@ def check_devices(config: ModelConfig, gpus: Gpus) -> dict[str, str]:
     if not gpus.budgets:
         return {}
     problems = {}
-    have = f"this machine has {len(gpus.names)} GPU(s) ({', '.join(gpus.names)})"
+    have = f"{gpus.machine} has {len(gpus.names)} GPU(s) ({', '.join(gpus.names)})"
     main = config.options.get("main_gpu", 0)
     if main >= len(gpus.names):
-        problems["options.main_gpu"] = (f"GPU {main}, but {have}; name one of them, or plan "
-                                        "for another machine with laya plan --gpus")
+        problems["options.main_gpu"] = f"GPU {main}, but {have}; name one of them" \
+            + gpus.elsewhere
     shares = config.options.get("tensor_split") or ()
     if len(shares) > len(gpus.names):
         problems["options.tensor_split"] = (f"{len(shares)} shares, but {have}; give one "

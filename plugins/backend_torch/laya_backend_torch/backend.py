@@ -68,10 +68,9 @@ class TorchBackend(Backend):
         if device == "cpu" or device in gpus.budgets:
             return {}
         has = f"it has {', '.join(gpus.names)}" if gpus.budgets else \
-            "it has none (no NVIDIA driver found)"
-        return {"options.device": f'"{config.options["device"]}": this machine has no such '
-                f'CUDA GPU ({has}); use "cpu", or plan for another machine with laya plan '
-                "--gpus"}
+            "it has none (no NVIDIA driver found)" if gpus.local else "it has none"
+        return {"options.device": f'"{config.options["device"]}": {gpus.machine} has no such '
+                f'CUDA GPU ({has}); use "cpu"{gpus.elsewhere}'}
 
     @classmethod
     def check_options(cls, opts: dict[str, Any]) -> dict[str, str]:

@@ -254,6 +254,33 @@ def test_asking_for_a_gpu_on_a_machine_without_one_is_a_check_error(tmp_path: Pa
             assert run.returncode == 2 and key in run.stderr and "has none" in run.stderr
 
 
+@pytest.mark.slow
+def test_a_plan_for_other_gpus_runs_the_backends_device_checks(tmp_path: Path) -> None:
+    """``laya plan --gpus`` refuses what the machine it describes could not run (a GPU it
+    lacks, by llama.cpp's and torch's options), naming that machine, as ``laya check`` does
+    for this one; options within its GPUs plan."""
+    from tests.hostile_gguf import embedded
+
+    def plan(llama: str, torch: str) -> subprocess.CompletedProcess[str]:
+        manifest = tmp_path / "m.toml"
+        manifest.write_text(
+            f'[[models]]\nname = "a"\npath = "{embedded()}"\n[models.options]\n{llama}\n'
+            f'[[models]]\nname = "b"\nbackend = "torch"\npath = "{embedded()}"\n'
+            f'[models.options]\n{torch}\n')
+        return subprocess.run([sys.executable, "-m", "laya_core.cli.main", "plan", "--gpus",
+                               "16GiB,8GiB", str(manifest)], capture_output=True, text=True,
+                              timeout=120)
+
+    run = plan("main_gpu = 3", 'device = "cuda:2"')
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert ("models[0].options.main_gpu: GPU 3, but the machine planned for (--gpus) has 2 "
+            "GPU(s) (cuda:0, cuda:1)") in run.stderr
+    assert ('models[1].options.device: "cuda:2": the machine planned for (--gpus) has no such '
+            "CUDA GPU (it has cuda:0, cuda:1)") in run.stderr
+    run = plan("main_gpu = 1", 'device = "cuda:1"')
+    assert run.returncode == 0, run.stderr
+
+
 @pytest.mark.parametrize(("text", "sizes"), [
     ("24GiB", (24 * GIB,)), ("24GiB,12GiB", (24 * GIB, 12 * GIB)),
     ("2x80GiB", (80 * GIB, 80 * GIB)), ("none", ())])
