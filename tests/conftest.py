@@ -38,6 +38,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Each xdist worker on a core of its own, with every process it starts (servers,
+    references, tools inherit the affinity). Two workers' backends otherwise share both
+    cores: llama.cpp's and torch's threads spin at a barrier per operation, and a thread
+    whose core the other worker holds makes its team wait out a scheduler slice. Pinned,
+    "auto" threads find one core (engine/threads.py reads the affinity) and never wait on
+    the neighbour. The serial tests run without xdist, on every core."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    cpus = sorted(os.sched_getaffinity(0))
+    if worker.startswith("gw") and 1 < count <= len(cpus):
+        share = len(cpus) // count
+        index = int(worker[2:]) % count
+        os.sched_setaffinity(0, cpus[index * share:(index + 1) * share])
+
+
 class _FastWatch:
     """What a test not marked slow started or imported, from its setup on."""
 
