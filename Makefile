@@ -90,7 +90,8 @@ serve: install
 	$(BIN)/laya serve --host $(HOST) --port $(PORT)
 
 # The suite on TEST_WORKERS processes (pytest-xdist), each test file whole in one of them
-# (its model or server loaded once), then the tests marked serial alone: they need every
+# (its model or server loaded once; tests/conftest.py gives each its share of the cores, which
+# the servers it starts inherit), then the tests marked serial alone: they need every
 # core free. Listed before install, so a machine that lacks them stops before the long compile.
 # The 25 slowest tests are listed at the end, to keep the suite's time in view.
 TEST_WORKERS ?= 2
