@@ -34,7 +34,8 @@ ROOMS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      "what a model file says and the tokenizer interface: headers read, nothing loaded"),
     ("kv", ("laya_core.kv",),
      "the block size and hash chain, KV dtypes, the block pool, cache policies: bookkeeping"),
-    ("contract", ("laya_core.backend", "laya_core.hookspecs", "laya_core.plugins"),
+    ("contract", ("laya_core.backend", "laya_core.backend_types", "laya_core.hookspecs",
+                  "laya_core.plugins"),
      "the plugin contract: what a backend is given and reports (in models' and kv's terms), "
      "the hook specs and the registry"),
     ("routing", ("laya_core.routing",),
@@ -67,8 +68,8 @@ FRONT_END = ("laya_core.replica.remote", "laya_core.replica.worker_client",
              "laya_core.replica.ray_client", "laya_core.http")
 WORKER = "laya_core.replica.worker"
 # The contract is what a backend sees; the ledger sums what backends report, above it.
-CONTRACT = ("laya_core.types", "laya_core.units", "laya_core.backend", "laya_core.hookspecs",
-            "laya_core.plugins")
+CONTRACT = ("laya_core.types", "laya_core.units", "laya_core.backend", "laya_core.backend_types",
+            "laya_core.hookspecs", "laya_core.plugins")
 LEDGER = "laya_core.memory.ledger"
 
 
