@@ -1,5 +1,6 @@
 """Logging for every process of a server (the ``laya`` command, its workers, its Ray actors):
-one handler on the root logger, so each line prints once.
+one handler on the root logger, so each line prints once. And what the operating system shows
+of a process: its resident memory, and its threads' names (:func:`start_named`).
 
 Hypercorn would give its ``hypercorn.error`` logger a stderr handler of its own that also
 propagates to the root, which printed its "Running on" line twice; ``serve.hypercorn_config``
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 
 FORMAT = "laya: %(levelname)s %(name)s: %(message)s"
 
@@ -38,3 +40,20 @@ def resident_bytes(pid: int | None = None) -> int | None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
+
+
+def start_named(thread: threading.Thread, os_name: str) -> threading.Thread:
+    """Start ``thread`` under ``os_name`` (15 characters at most) where the operating system
+    names threads, so that ``top -H``, ``ps -L``, py-spy and ``tools/overhead_per_token.py``
+    tell Laya's threads apart (Python's own names stay inside the interpreter). Linux only;
+    elsewhere, or when the thread has ended already, the thread just runs. A thread that runs
+    already (the main one) is only named."""
+    if thread.ident is None:
+        thread.start()
+    if sys.platform.startswith("linux") and thread.native_id is not None:
+        try:  # a process may rename any of its own threads
+            with open(f"/proc/self/task/{thread.native_id}/comm", "w") as comm:
+                comm.write(os_name[:15])
+        except OSError:
+            pass
+    return thread

@@ -11,7 +11,8 @@ after ``--step-ms`` of sleep: a model's step time without its CPU, so that each 
 events leave in a message of their own as with a real model, instead of several steps'
 together), streams completions one at a time from another process, and prints the CPU
 time the server's whole process tree spent per token (``/proc``, through psutil), the wall
-time per token the client saw, and each layer's share from ``/metrics``. The client runs in
+time per token the client saw, each layer's share from ``/metrics``, and the CPU each thread
+spent per token, by the names Laya gives its threads (``profile_token.thread_cpu_s``). The client runs in
 its own process, so its work is not counted.
 
 On a machine with two cores this is the number that matters for concurrency 1: the model's
@@ -130,7 +131,8 @@ def stream(url: str, requests: int, max_tokens: int) -> int:
 
 
 def client_main(args: argparse.Namespace) -> dict[str, Any]:
-    from benchmark_rounds import _free_port  # beside this file
+    import profile_token  # beside this file
+    from benchmark_rounds import _free_port
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -163,9 +165,11 @@ def client_main(args: argparse.Namespace) -> dict[str, Any]:
             return total
 
         stream(url, 2, 32)  # warm up
+        threads0 = profile_token.thread_cpu_s(tree)
         before, cpu0, wall0 = layer_ms(url), cpu_s(), time.perf_counter()
         chunks = stream(url, args.requests, args.max_tokens)
         wall, cpu = time.perf_counter() - wall0, cpu_s() - cpu0
+        threads = profile_token.thread_cpu_s(tree)
         time.sleep(0.6)  # the worker's last step message is counted in its next state
         after = layer_ms(url)
     finally:
@@ -175,11 +179,15 @@ def client_main(args: argparse.Namespace) -> dict[str, Any]:
     tokens = after["tokens"] - before["tokens"]
     layers = {k: round((after[k] - before.get(k, 0.0)) / tokens * 1e6, 1)
               for k in after if k not in ("tokens", "steps")}
+    per_thread = profile_token.thread_cpu_spent(threads0, threads)
     return {"engine": args.engine, "step_ms": args.step_ms, "tokens": int(tokens),
             "chunks": chunks,
             "server_cpu_us_per_token": round(cpu / tokens * 1e6, 1),
             "wall_us_per_token": round(wall / tokens * 1e6, 1),
-            "layers_us_per_token": layers}
+            "layers_us_per_token": layers,
+            "threads_cpu_us_per_token": {
+                name: round(seconds / tokens * 1e6, 1) for name, seconds in
+                sorted(per_thread.items(), key=lambda kv: -kv[1]) if seconds > 0}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
           " us/token")
     for name, us in result["layers_us_per_token"].items():
         print(f"  {name:<12} {us:8.1f} us/token")
+    print("  CPU by thread:")
+    for name, us in result["threads_cpu_us_per_token"].items():
+        print(f"  {name:<24} {us:8.1f} us/token")
     print(json.dumps(result))
     return 0
 

@@ -17,8 +17,11 @@ inter-token latency (ITL) divided by the tokens a step makes (1 at c=1), and the
 that ITL share minus the measured layers but ``prefill`` (steps that feed a prompt, before a
 first token: at c=1 outside every gap). The engine thread's layers run one after another;
 the others run beside the next step, so the residue is what no layer measured (waits for the
-GIL or a thread's wake-up) less whatever ran beside the model. Its last line is JSON. One
-short request warms each server up first.
+GIL or a thread's wake-up) less whatever ran beside the model. Then the CPU each of the
+server's threads spent per token (``/proc``, by the names Laya gives its threads,
+``laya_core.logs.start_named``): on a machine whose cores the model's threads fill, what
+runs beside them is taken from them, so this, not the wall-time layers, is what Laya's
+threads cost the model. Its last line is JSON. One short request warms each server up first.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -63,6 +67,41 @@ def counters(text: str, model: str) -> dict[str, float]:
             elif family.name in names:
                 out[names[family.name]] += sample.value
     return out
+
+
+def thread_cpu_s(tree: psutil.Process) -> dict[tuple[int, int], tuple[str, float]]:
+    """CPU seconds so far of every thread of a server's process tree, by (pid, tid), with
+    the thread's name: "front/" or "worker/" and the name the OS shows (Laya names its
+    threads, laya_core.logs.start_named; the front end's main thread, its event loop and
+    HTTP server, shows as "main", and threads that others started, such as llama.cpp's or
+    torch's compute threads and asyncio's executor, as "other")."""
+    out: dict[tuple[int, int], tuple[str, float]] = {}
+    for p in [tree, *tree.children(recursive=True)]:
+        try:
+            cmdline = " ".join(p.cmdline())
+            role = ("front" if p.pid == tree.pid else
+                    "worker" if "laya_core.replica.worker" in cmdline else p.name())
+            for t in p.threads():
+                try:
+                    comm = Path(f"/proc/{p.pid}/task/{t.id}/comm").read_text().strip()
+                except OSError:
+                    continue
+                name = (comm if comm.startswith("laya-") else
+                        "main" if t.id == p.pid else "other")
+                out[(p.pid, t.id)] = (f"{role}/{name}", t.user_time + t.system_time)
+        except psutil.Error:  # a child that ended meanwhile
+            continue
+    return out
+
+
+def thread_cpu_spent(before: dict[tuple[int, int], tuple[str, float]],
+                     after: dict[tuple[int, int], tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds each thread name spent between two :func:`thread_cpu_s` readings."""
+    out: dict[str, float] = {}
+    for key, (name, seconds) in after.items():
+        out[name] = out.get(name, 0.0) + seconds - before.get(key, (name, 0.0))[1]
+    return out
+
 
 
 def _per_token_ms(a: dict[str, float], b: dict[str, float]) -> dict[str, float] | None:
@@ -119,6 +158,10 @@ def report(name: str, concurrency: int, b: dict[str, Any]) -> list[str]:
               f"  {'ITL / tokens a step':<20} {ms(itl['mean'])} {ms(itl['p50'])} "
               f"{ms(itl['p90'])}",
               f"  {'residue':<20} {ms(b['residue_ms'])}"]
+    if b.get("threads_cpu_ms"):
+        lines.append(f"  CPU by thread (ms/token; the model's own threads are the "
+                     f"engine's and \"other\"), total {sum(b['threads_cpu_ms'].values()):.3f}:")
+        lines += [f"    {name:<24} {v:8.3f}" for name, v in b["threads_cpu_ms"].items()]
     return lines
 
 
@@ -126,9 +169,10 @@ async def _scrape(client: httpx.AsyncClient, url: str, model: str) -> dict[str, 
     return counters((await client.get(url + "/metrics")).raise_for_status().text, model)
 
 
-async def profile_level(url: str, args: argparse.Namespace,
-                        concurrency: int) -> tuple[dict[str, Any], int]:
-    """One level's load with /metrics read beside it; the breakdown and the failed requests."""
+async def profile_level(url: str, args: argparse.Namespace, concurrency: int,
+                        server: psutil.Process | None = None) -> tuple[dict[str, Any], int]:
+    """One level's load with /metrics read beside it; the breakdown and the failed requests.
+    With ``server`` (the server's process), also the CPU each of its threads spent."""
     load = serving.parse_args(["--url", url, "--requests", str(args.requests),
                                "--max-tokens", str(args.max_tokens)])
     load.model = await serving.first_model(load)
@@ -142,7 +186,9 @@ async def profile_level(url: str, args: argparse.Namespace,
                 samples.append(await _scrape(client, url, load.model))
 
         sampler = asyncio.ensure_future(sample())
+        threads0 = thread_cpu_s(server) if server is not None else {}
         results, wall_s = await serving.run_level(load, load.model, concurrency)
+        threads = thread_cpu_s(server) if server is not None else {}
         done.set()
         await sampler
         # The worker's last step message left before its own send was counted: its next
@@ -150,7 +196,12 @@ async def profile_level(url: str, args: argparse.Namespace,
         await asyncio.sleep(0.5)
         samples.append(await _scrape(client, url, load.model))
     ok = [r for r in results if r.ok]
-    return breakdown(samples, [x for r in ok for x in r.itl_s], wall_s), len(results) - len(ok)
+    b = breakdown(samples, [x for r in ok for x in r.itl_s], wall_s)
+    if b["tokens"]:
+        spent = thread_cpu_spent(threads0, threads)
+        b["threads_cpu_ms"] = {name: round(s * 1000 / b["tokens"], 4) for name, s in
+                               sorted(spent.items(), key=lambda kv: -kv[1]) if s > 0}
+    return b, len(results) - len(ok)
 
 
 async def warm_up(url: str) -> None:
@@ -196,7 +247,8 @@ def profile(backend: str, args: argparse.Namespace, workdir: Path) -> dict[str, 
     try:
         asyncio.run(warm_up(server.url))
         for concurrency in args.concurrency:
-            b, failed = asyncio.run(profile_level(server.url, args, concurrency))
+            b, failed = asyncio.run(profile_level(server.url, args, concurrency,
+                                                  psutil.Process(proc.pid)))
             levels[str(concurrency)] = {**b, "failed": failed}
             print("\n".join(report(backend, concurrency, b)), flush=True)
             if failed:

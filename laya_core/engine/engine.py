@@ -45,6 +45,7 @@ from laya_core.engine.speculative import NgramDrafter, SpeculativeStats
 from laya_core.engine.state import EngineState, EngineUnavailableError, QueueFullError
 from laya_core.engine.stream import ADMITTED, Courier, EventSink, GenerationStream, deliver
 from laya_core.kv.policies import KVCache, KVOp
+from laya_core.logs import start_named
 from laya_core.memory.ledger import default_kv_bytes_per_token, sizes_for
 from laya_core.models.tokenizer import Tokenizer
 from laya_core.types import FinishReason, Sample, SamplingParams, TokenEvent, Usage
@@ -116,7 +117,7 @@ class Engine:
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread.start()
+        start_named(self._thread, "laya-engine")
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until loading ended (ready or failed); returns whether it is ready."""

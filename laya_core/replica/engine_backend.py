@@ -45,6 +45,7 @@ from typing import Any, ClassVar
 
 from laya_core.backend import Backend, ModelInfo, StepItem, StepResult
 from laya_core.engine.stream import GenerationStream
+from laya_core.logs import start_named
 from laya_core.replica.client import (
     EngineClient,
     EngineState,
@@ -271,7 +272,7 @@ class EngineBackendClient(EngineClient):
         self._on_loaded = on_loaded
 
     def start(self) -> None:
-        self._thread.start()
+        start_named(self._thread, "laya-engine-bk")
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until the first load was tried; whether the replica is ready."""

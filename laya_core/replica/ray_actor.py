@@ -20,7 +20,7 @@ import threading
 from typing import Any
 
 from laya_core.backend import ModelConfig
-from laya_core.logs import setup_logging
+from laya_core.logs import setup_logging, start_named
 from laya_core.replica.worker import _Worker, build_engine, loaded_of, serve_engine
 
 
@@ -58,8 +58,8 @@ class ReplicaActor:
             engine.stop()
             return
         self._first = ("loaded", loaded_of(engine))
-        threading.Thread(target=self._serve, args=(engine,), daemon=True,
-                         name="laya-ray-replica").start()
+        start_named(threading.Thread(target=self._serve, args=(engine,), daemon=True,
+                                     name="laya-ray-replica"), "laya-ray-serve")
         self._started.wait()
 
     def _serve(self, engine: Any) -> None:

@@ -26,6 +26,7 @@ from laya_core.backend import Backend, ModelConfig
 from laya_core.engine.embed_jobs import Embeddings
 from laya_core.engine.limits import check_length
 from laya_core.engine.stream import GenerationStream, deliver
+from laya_core.logs import start_named
 from laya_core.models.tokenizer import Tokenizer
 from laya_core.replica.client import (
     EngineClient,
@@ -81,7 +82,7 @@ class RemoteEngineClient(EngineClient):
     restarts_itself = False  # whether the child comes back by itself (Ray: max_restarts)
 
     def start(self) -> None:
-        self._thread.start()
+        start_named(self._thread, "laya-supervisor")
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until the first load ended (ready or failed); whether it is ready."""

@@ -39,6 +39,7 @@ from laya_core.backend import ModelConfig
 from laya_core.engine.engine import Engine
 from laya_core.engine.layer_clock import IPC_SEND, now_ns
 from laya_core.engine.state import EngineState, EngineUnavailableError, QueueFullError
+from laya_core.logs import start_named
 from laya_core.replica.client import LocalEngineClient, ReplicaSnapshot, info_of
 from laya_core.replica.protocol import STATE_EVERY_S, Loaded, refusal_of
 from laya_core.types import TokenEvent
@@ -279,7 +280,7 @@ async def serve_engine(engine: Engine, send: Callable[[tuple[Any, ...]], None],
     from this loop (a worker process sends them from its own thread instead)."""
     worker = _Worker(send, engine)
     sender = threading.Thread(target=worker.sender, name="laya-worker-sender", daemon=True)
-    sender.start()
+    start_named(sender, "laya-sender")
     started(worker)
     beat = asyncio.ensure_future(worker.heartbeat()) if heartbeat else None
     try:
@@ -317,10 +318,11 @@ def main(fd: int) -> int:
     # terminal's Ctrl-C or a service manager's SIGTERM reaches the whole process group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    start_named(threading.main_thread(), "laya-worker")  # its event loop's thread
     conn = Connection(fd)
     link = _Link(conn)
-    threading.Thread(target=_heartbeat, args=(link,), name="laya-worker-heartbeat",
-                     daemon=True).start()
+    start_named(threading.Thread(target=_heartbeat, args=(link,),
+                                 name="laya-worker-heartbeat", daemon=True), "laya-heartbeat")
     _, config, replica_id, plugins = conn.recv()
     assert isinstance(config, ModelConfig)
     engine = build_engine(config, replica_id, plugins)
@@ -332,8 +334,8 @@ def main(fd: int) -> int:
     link.state = LocalEngineClient(engine).state
 
     def started(worker: _Worker) -> None:
-        threading.Thread(target=_read, args=(conn, worker), name="laya-worker-reader",
-                         daemon=True).start()
+        start_named(threading.Thread(target=_read, args=(conn, worker),
+                                     name="laya-worker-reader", daemon=True), "laya-reader")
 
     try:
         asyncio.run(serve_engine(engine, link.send, started, heartbeat=False))

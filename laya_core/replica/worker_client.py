@@ -34,7 +34,7 @@ from typing import Any
 
 from laya_core.backend import Backend, ModelConfig
 from laya_core.engine.layer_clock import IPC_RECEIVE
-from laya_core.logs import resident_bytes
+from laya_core.logs import resident_bytes, start_named
 from laya_core.replica.child_exit import describe_exit
 from laya_core.replica.client import EngineState
 from laya_core.replica.remote import RemoteEngineClient
@@ -140,8 +140,8 @@ class WorkerEngineClient(RemoteEngineClient):
             env=env)
         back.close()
         self._proc = proc
-        threading.Thread(target=self._relay_output, args=(proc,), daemon=True,
-                         name=f"laya-worker-output-{self.replica_id}").start()
+        start_named(threading.Thread(target=self._relay_output, args=(proc,), daemon=True,
+                                     name=f"laya-worker-output-{self.replica_id}"), "laya-relay")
         link = WorkerLink(Connection(front.detach()), proc, self.silence_s,
                           f"{self.model}-{self.replica_id}")
         try:

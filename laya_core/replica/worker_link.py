@@ -30,6 +30,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from laya_core.engine.layer_clock import now_ns
+from laya_core.logs import start_named
 
 log = logging.getLogger(__name__)
 # The heartbeat comes every 0.25 s from a thread that needs the GIL for microseconds (the
@@ -57,7 +58,8 @@ class WorkerLink:
         self._outgoing: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
         self._closed = threading.Event()
         for target, role in ((self._write, "sender"), (self._watch, "watchdog")):
-            threading.Thread(target=target, daemon=True, name=f"laya-{role}-{name}").start()
+            start_named(threading.Thread(target=target, daemon=True, name=f"laya-{role}-{name}"),
+                        f"laya-{role}")
 
     def send(self, message: tuple[Any, ...]) -> bool:
         """Queue a message for the worker; False once the link has closed. Never waits on

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from laya_core.config import manifest as mf
 from laya_core.config.models_dir import ModelsDir, found
+from laya_core.logs import start_named
 from laya_core.memory import planner
 from laya_core.plugins import Registry
 from laya_core.serving.deployment import Deployment
@@ -46,7 +47,7 @@ class ModelsDirWatcher:
                                         name="laya-models-dir")
 
     def start(self) -> None:
-        self._thread.start()
+        start_named(self._thread, "laya-models-dir")
 
     def stop(self) -> None:
         self._stop.set()

@@ -41,6 +41,7 @@ import attrs
 import numpy as np
 
 from laya_core.engine.allowed_tokens import AllowedTokens
+from laya_core.logs import start_named
 from laya_core.structured.sandbox import CompileLimits, CompileSandbox, Refused, Vocabulary
 from laya_core.structured.spec import ConstraintSpec, GrammarError
 
@@ -135,8 +136,8 @@ class _StackThread:
         # this size too, which costs it address space only.
         old = threading.stack_size(stack_bytes)
         try:
-            threading.Thread(target=self._run, name="laya-grammar-compile",
-                             daemon=True).start()
+            start_named(threading.Thread(target=self._run, name="laya-grammar-compile",
+                                         daemon=True), "laya-grammar")
         finally:
             threading.stack_size(old)
 

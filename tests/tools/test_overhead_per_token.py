@@ -23,3 +23,10 @@ def test_it_serves_every_token_and_charges_each_layer() -> None:
     for name in ("loop", "schedule", "detokenize", "deliver", "ipc_send", "ipc_receive",
                  "http"):
         assert layers[name] > 0, (name, result)
+    # Laya's threads by the names the OS shows (laya_core.logs.start_named): the worker's
+    # engine and sender, the front end's supervisor (which reads the worker's messages) and
+    # its event loop (the main thread) each spent CPU on the tokens.
+    threads = result["threads_cpu_us_per_token"]
+    for name in ("worker/laya-engine", "worker/laya-sender", "front/laya-supervisor",
+                 "front/main"):
+        assert threads.get(name, 0) > 0, (name, threads)

@@ -76,3 +76,50 @@ def test_report_prints_every_layer_then_the_sums() -> None:
     assert lines[-4].split() == ["measured", "12.500"]
     assert lines[-3].split() == ["but", "prefill", "10.500"]
     assert lines[-1].split() == ["residue", "1.500"]
+
+
+def test_thread_cpu_names_laya_threads_and_sums_their_time() -> None:
+    """The CPU of a process tree's threads, by the names the OS shows: a thread Laya named
+    and the main one, read from /proc, and the time between two readings."""
+    import threading
+    import time
+
+    import psutil
+
+    from laya_core.logs import start_named
+
+    def burn() -> None:  # 0.1 s of this thread's own CPU: ten of /proc's ticks
+        start = time.thread_time()
+        while time.thread_time() - start < 0.1:
+            pass
+
+    before = profile.thread_cpu_s(psutil.Process())
+    assert "front/main" in {name for name, _ in before.values()}
+    hold = threading.Event()  # the thread stays, so that /proc still lists it
+
+    def burn_and_hold() -> None:
+        burn()
+        hold.wait(60)
+
+    thread = start_named(threading.Thread(target=burn_and_hold), "laya-burn")
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            spent = profile.thread_cpu_spent(before, profile.thread_cpu_s(psutil.Process()))
+            if spent.get("front/laya-burn", 0) >= 0.05:
+                break
+            time.sleep(0.05)
+        assert spent["front/laya-burn"] >= 0.05, spent
+    finally:
+        hold.set()
+        thread.join(60)
+
+
+def test_report_lists_the_cpu_of_each_thread() -> None:
+    b = profile.breakdown([sample(0, 0, backend=0.0), sample(10, 10, backend=0.1)],
+                          [0.012] * 9, 0.15)
+    b["threads_cpu_ms"] = {"worker/laya-engine": 10.5, "front/main": 0.25}
+    lines = profile.report("llamacpp", 1, b)
+    assert lines[-3].endswith("total 10.750:")
+    assert lines[-2].split() == ["worker/laya-engine", "10.500"]
+    assert lines[-1].split() == ["front/main", "0.250"]

@@ -31,6 +31,7 @@ from laya_core.backend import ModelConfig
 from laya_core.engine.detokenizer import IncrementalDetokenizer
 from laya_core.engine.limits import check_length
 from laya_core.engine.stream import ADMITTED, GenerationStream, deliver
+from laya_core.logs import start_named
 from laya_core.models.tokenizer import Tokenizer
 from laya_core.replica.client import (
     EngineState,
@@ -100,7 +101,7 @@ class ExlClient(EngineBackendClient):
         self._runner = threading.Thread(target=self._run, args=(runtime,), daemon=True,
                                         name=f"laya-{self.backend_name}-{self.model}-"
                                              f"{self.replica_id}")
-        self._runner.start()
+        start_named(self._runner, "laya-exl2")
         replica = self.replica_info(info, settings.max_seq_len, self.backend_name)
         return attrs.evolve(replica, block_size=PAGE_TOKENS)  # the generator's pages
 
