@@ -73,8 +73,10 @@ def thread_cpu_s(tree: psutil.Process) -> dict[tuple[int, int], tuple[str, float
     """CPU seconds so far of every thread of a server's process tree, by (pid, tid), with
     the thread's name: "front/" or "worker/" and the name the OS shows (Laya names its
     threads, laya_core.logs.start_named; the front end's main thread, its event loop and
-    HTTP server, shows as "main", and threads that others started, such as llama.cpp's or
-    torch's compute threads and asyncio's executor, as "other")."""
+    HTTP server, shows as "main", and unnamed threads, such as asyncio's executor, as
+    "other"). A thread takes the name of the thread that started it, so llama.cpp's and
+    torch's compute threads count as ``laya-engine``: that line is the model's compute
+    and the engine loop's own work together."""
     out: dict[tuple[int, int], tuple[str, float]] = {}
     for p in [tree, *tree.children(recursive=True)]:
         try:
@@ -159,8 +161,8 @@ def report(name: str, concurrency: int, b: dict[str, Any]) -> list[str]:
               f"{ms(itl['p90'])}",
               f"  {'residue':<20} {ms(b['residue_ms'])}"]
     if b.get("threads_cpu_ms"):
-        lines.append(f"  CPU by thread (ms/token; the model's own threads are the "
-                     f"engine's and \"other\"), total {sum(b['threads_cpu_ms'].values()):.3f}:")
+        lines.append(f"  CPU by thread (ms/token; laya-engine holds the model's compute "
+                     f"threads), total {sum(b['threads_cpu_ms'].values()):.3f}:")
         lines += [f"    {name:<24} {v:8.3f}" for name, v in b["threads_cpu_ms"].items()]
     return lines
 
