@@ -13,11 +13,10 @@ STAMP := $(VENV)/.installed
 LOG := $(VENV)/install.log
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc)
 # GPU=cuda builds llama.cpp with CUDA (needs nvcc), for n_gpu_layers: `make clean install
-# GPU=cuda`. pip's cache holds the CPU build's wheel under the same version, so it is not used.
+# GPU=cuda`. Its wheel is kept apart from the CPU build's (CMAKE_ARGS is part of the key).
 GPU ?=
 ifeq ($(GPU),cuda)
 export CMAKE_ARGS := $(CMAKE_ARGS) -DGGML_CUDA=on
-LLAMA_PIP_FLAGS := --no-cache-dir
 else ifneq ($(GPU),)
 $(error GPU=$(GPU): the GPU builds are GPU=cuda, or none)
 endif
@@ -44,18 +43,25 @@ endef
 install: $(STAMP)
 
 $(STAMP): pyproject.toml plugins/backend_llamacpp/pyproject.toml plugins/backend_torch/pyproject.toml \
-		plugins/backend_exl2/pyproject.toml \
+		plugins/backend_exl2/pyproject.toml plugins/backend_llamacpp/build_llama_cpp.py \
+		$(wildcard plugins/backend_llamacpp/patches/*.patch) \
 		$(ROUTER_SOURCES) $(EXAMPLE_SOURCES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@rm -f $(LOG)
 	@echo "laya: installing into $(VENV). The first install compiles llama.cpp from source" \
-	  "(llama-cpp-python): about 8 minutes on 2 cores; pip keeps the wheel for next time."
+	  "(llama-cpp-python): about 8 minutes on 2 cores; its wheel is kept for next time."
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch pinned first, before anything that depends on it (auto-round, accelerate, peft
 	# in the test extras): its CPU build. An unpinned torch pulls a CUDA build and 3.2 GB of
 	# nvidia libraries, which stayed on disk after the pin replaced torch.
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(call pip_compiling,llama.cpp,$(LLAMA_PIP_FLAGS) -e '.[test]' -e plugins/backend_llamacpp)
+	# llama.cpp: llama-cpp-python compiled from its sources with Laya's patches to llama.cpp
+	# (plugins/backend_llamacpp/patches/: a Q4_1 kernel for several rows at once), its wheel
+	# kept under ~/.cache/laya for the next install on this CPU. Installed before Laya, whose
+	# pin (==0.3.36) the patched build (0.3.36+laya.q41gemm) satisfies.
+	$(BIN)/python plugins/backend_llamacpp/build_llama_cpp.py --log $(LOG) > $(VENV)/llama-wheel
+	$(BIN)/python -m pip install --quiet --force-reinstall --no-deps "$$(cat $(VENV)/llama-wheel)"
+	$(BIN)/python -m pip install --quiet -e '.[test]' -e plugins/backend_llamacpp
 	$(call pip_compiling,the C++ router,./plugins/router_nanobind)
 	$(BIN)/python -m pip install --quiet -e plugins/backend_torch
 	# The exllama backends: importable and planned everywhere; exllamav2/v3 (CUDA only) are
@@ -73,7 +79,7 @@ $(STAMP): pyproject.toml plugins/backend_llamacpp/pyproject.toml plugins/backend
 	# llama.cpp LoRA tests turn PEFT adapters into GGUF with it (tests/lora_adapters.py).
 	rm -rf $(VENV)/llama.cpp-convert $(VENV)/llama-sdist
 	$(BIN)/python -m pip download --quiet --no-deps --no-binary :all: -d $(VENV)/llama-sdist \
-		llama-cpp-python==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("llama-cpp-python"))')
+		llama-cpp-python==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("llama-cpp-python").split("+")[0])')
 	mkdir -p $(VENV)/llama.cpp-convert
 	tar xzf $(VENV)/llama-sdist/llama_cpp_python-*.tar.gz -C $(VENV)/llama.cpp-convert \
 		--strip-components=3 --wildcards '*/vendor/llama.cpp/convert_lora_to_gguf.py' \

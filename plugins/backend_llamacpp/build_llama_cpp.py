@@ -1,0 +1,192 @@
+"""Builds llama-cpp-python, at the version the llama.cpp backend pins, from its sources with
+Laya's patches to llama.cpp applied (``patches/*.patch`` beside this file), and prints the
+wheel's path. The Makefile's install step installs that wheel.
+
+    python plugins/backend_llamacpp/build_llama_cpp.py [--log FILE] [--cache DIR]
+
+The patches:
+
+- ``q4_1-gemm.patch``: a kernel for products of a Q4_1 matrix with two or more rows of
+  activations on x86 CPUs with AVX2. llama.cpp has none (it multiplies such a matrix by one
+  row at a time), and Q4_1 is the embedded model's type: prompts, several sequences decoding
+  together and a draft's check all paid nearly one pass over the weights per row. Each row's
+  result is bit for bit what the one-row product gives (tests/backend_llamacpp/
+  test_q4_1_gemm.py); docs/benchmarks.md has what it changes.
+
+The wheel is kept in DIR (default ``~/.cache/laya/llama-cpp-python``) under a key of what
+decides its contents: the version, the patches, ``CMAKE_ARGS`` (``make install GPU=cuda``
+sets it), the Python, and the CPU's flags, since the build compiles for the CPU it runs on
+and its wheel would stop with an illegal instruction on a CPU that lacks one of them. Its
+version carries the local label ``+laya.q41gemm`` (``pip show llama-cpp-python`` tells
+which build is installed; ``==0.3.36`` still matches it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import platform
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+import tomllib
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PATCHES = sorted((HERE / "patches").glob("*.patch"))
+LABEL = "laya.q41gemm"
+PROGRESS = re.compile(r"\[ *(\d+)(?:/(\d+)|%)\]")  # ninja's [N/M], make's [ N%]
+
+
+def pinned_version() -> str:
+    project = tomllib.loads((HERE / "pyproject.toml").read_text())["project"]
+    for requirement in project["dependencies"]:
+        name, _, version = requirement.partition("==")
+        if name.strip() == "llama-cpp-python" and version:
+            return version.strip()
+    raise SystemExit("plugins/backend_llamacpp/pyproject.toml: no llama-cpp-python==VERSION")
+
+
+def cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cache_key(version: str) -> str:
+    h = hashlib.sha256()
+    for part in (version, LABEL, os.environ.get("CMAKE_ARGS", ""), sys.version,
+                 platform.machine(), cpu_flags()):
+        h.update(part.encode() + b"\0")
+    for patch in PATCHES:
+        h.update(patch.name.encode() + b"\0" + patch.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def apply_patch(diff: str, root: Path) -> None:
+    """Applies a unified diff (``a/PATH`` and ``b/PATH`` names) to the files under ``root``.
+    Each hunk's old lines must stand where its header says (after the hunks before it), else
+    ValueError names the file and the hunk. Here rather than patch(1), which a fresh machine
+    may lack, or git apply, which inside a git work tree takes paths from that tree's root."""
+    hunk_header = re.compile(r"@@ -(\d+)(?:,\d+)? \+\d+(?:,\d+)? @@")
+    files: dict[Path, list[tuple[int, list[str], list[str], str]]] = {}
+    target: Path | None = None
+    lines = diff.splitlines(keepends=True)
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        i += 1
+        if line.startswith("+++ "):
+            target = root / line[4:].strip().split("\t")[0].split("/", 1)[1]
+            files.setdefault(target, [])
+            continue
+        m = hunk_header.match(line)
+        if m is None or target is None:
+            continue
+        old: list[str] = []
+        new: list[str] = []
+        while i < len(lines) and lines[i][:1] in (" ", "-", "+", "\n"):
+            kind, body = lines[i][:1], lines[i][1:] if lines[i] != "\n" else "\n"
+            if kind in (" ", "-", "\n"):
+                old.append(body)
+            if kind in (" ", "+", "\n"):
+                new.append(body)
+            i += 1
+        files[target].append((int(m.group(1)), old, new, line.strip()))
+    if not files:
+        raise ValueError("no file in the diff")
+    for path, hunks in files.items():
+        text = path.read_text().splitlines(keepends=True)
+        offset = 0
+        for start, old, new, header in hunks:
+            at = start - 1 + offset
+            if text[at:at + len(old)] != old:
+                raise ValueError(f"{path.relative_to(root)}: hunk {header} does not match")
+            text[at:at + len(old)] = new
+            offset += len(new) - len(old)
+        path.write_text("".join(text))
+
+
+def run_logged(cmd: list[str], log: Path, what: str) -> None:
+    """``cmd`` with its whole output appended to ``log`` and, on the terminal, the compile's
+    progress every 10%; on failure the log's end, and exit."""
+    shown = 0
+    with log.open("a") as out:
+        out.write(f"$ {' '.join(cmd)}\n")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, errors="replace")
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.write(line)
+            m = PROGRESS.search(line)
+            if m:
+                done = int(m.group(1))
+                pct = int(100 * done / int(m.group(2))) if m.group(2) else done
+                if pct >= shown + 10 or (pct == 100 and shown < 100):
+                    print(f"  {what}: {pct}% compiled", file=sys.stderr, flush=True)
+                    shown = pct
+    if proc.wait() != 0:
+        tail = log.read_text(errors="replace").splitlines()[-40:]
+        print(f"laya: {what} failed; the end of {log}:", *tail, sep="\n", file=sys.stderr)
+        raise SystemExit(1)
+
+
+def build(version: str, into: Path, log: Path) -> Path:
+    with tempfile.TemporaryDirectory(dir=into.parent) as scratch:
+        work = Path(scratch)
+        run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+                    ":all:", "-d", str(work), f"llama-cpp-python=={version}"], log,
+                   "llama-cpp-python's sources")
+        (sdist,) = work.glob("llama_cpp_python-*.tar.gz")
+        with tarfile.open(sdist) as tar:
+            tar.extractall(work, filter="data")
+        (src,) = (p for p in work.iterdir() if p.is_dir())
+        for patch in PATCHES:
+            try:
+                apply_patch(patch.read_text(), src)
+            except ValueError as e:
+                raise SystemExit(f"laya: {patch.name} does not apply to llama-cpp-python "
+                                 f"{version}: {e}") from None
+        init = src / "llama_cpp" / "__init__.py"
+        text, n = re.subn(r'__version__ = "([^"+]+)"', rf'__version__ = "\1+{LABEL}"',
+                          init.read_text())
+        if n != 1:
+            raise SystemExit(f"laya: no __version__ to label in {init}")
+        init.write_text(text)
+        print(f"laya: compiling llama.cpp (llama-cpp-python {version} with "
+              f"{', '.join(p.name for p in PATCHES)}; full output in {log})",
+              file=sys.stderr, flush=True)
+        into.mkdir(parents=True, exist_ok=True)
+        run_logged([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-cache-dir",
+                    "-w", str(into), str(src)], log, "llama.cpp")
+    (wheel,) = into.glob("*.whl")
+    return wheel
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--log", type=Path, default=Path("llama-cpp-build.log"))
+    parser.add_argument("--cache", type=Path, default=Path(os.environ.get(
+        "LAYA_WHEEL_CACHE", Path.home() / ".cache" / "laya" / "llama-cpp-python")))
+    args = parser.parse_args(argv)
+    version = pinned_version()
+    into = args.cache / cache_key(version)
+    wheels = sorted(into.glob("*.whl"))
+    if wheels:
+        print(f"laya: llama-cpp-python {version}+{LABEL} from {into}", file=sys.stderr)
+    else:
+        args.cache.mkdir(parents=True, exist_ok=True)
+        wheels = [build(version, into, args.log)]
+    print(wheels[0])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

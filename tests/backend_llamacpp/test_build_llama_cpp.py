@@ -1,0 +1,59 @@
+"""plugins/backend_llamacpp/build_llama_cpp.py: its patches apply to the pinned sources'
+lines and nowhere else, and its wheel cache tells builds apart by what decides them."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[2] / "plugins" / "backend_llamacpp" / "build_llama_cpp.py"
+spec = importlib.util.spec_from_file_location("build_llama_cpp", SCRIPT)
+assert spec is not None and spec.loader is not None
+build = importlib.util.module_from_spec(spec)
+sys.modules["build_llama_cpp"] = build
+spec.loader.exec_module(build)
+
+DIFF = """--- a/src/f.c
++++ b/src/f.c
+@@ -2,3 +2,4 @@
+ b
+ c
++new
+ d
+@@ -7,3 +8,3 @@
+ b
+-c
++C
+ d
+"""
+
+
+def test_hunks_apply_where_their_headers_say(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    f = tmp_path / "src" / "f.c"
+    f.write_text("a\nb\nc\nd\na\na\nb\nc\nd\n")  # "b c d" twice: only the lines say which
+    build.apply_patch(DIFF, tmp_path)
+    assert f.read_text() == "a\nb\nc\nnew\nd\na\na\nb\nC\nd\n"
+    with pytest.raises(ValueError, match=r"src/f.c: hunk @@ -2,3 \+2,4 @@ does not match"):
+        build.apply_patch(DIFF, tmp_path)  # applied already
+
+
+def test_the_patches_name_the_file_they_change() -> None:
+    assert [p.name for p in build.PATCHES] == ["q4_1-gemm.patch"]
+    text = build.PATCHES[0].read_text()
+    assert "+++ b/vendor/llama.cpp/ggml/src/ggml-cpu/llamafile/sgemm.cpp" in text
+    assert build.pinned_version() == "0.3.36"
+
+
+def test_the_cache_key_follows_the_cpu_and_the_cmake_arguments(monkeypatch) -> None:
+    key = build.cache_key("0.3.36")
+    assert build.cache_key("0.3.36") == key
+    monkeypatch.setenv("CMAKE_ARGS", "-DGGML_CUDA=on")
+    assert build.cache_key("0.3.36") != key
+    monkeypatch.delenv("CMAKE_ARGS")
+    monkeypatch.setattr(build, "cpu_flags", lambda: "avx2 fma")
+    assert build.cache_key("0.3.36") != key
+    assert build.cache_key("0.3.37") != build.cache_key("0.3.36")
