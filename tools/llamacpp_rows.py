@@ -1,13 +1,14 @@
 """What llama.cpp's several-row batches cost and compute, against one-row decodes.
 
 For each GGUF file: prompt processing of 512 tokens (tok/s), one decode at position 400
-(ms), a check of a 5-row draft at the same position (ms, and its ratio to one decode), and,
+(ms), a check of a 5-row draft at the same position (``--check N`` for other sizes; ms, and
+its ratio to one decode), and,
 with ``--rows``, how far each row of a batch at positions 400-408 is from the same token
 decoded alone (the largest logit difference; 0.0 is bit-identical). Speculative decoding on
 llama.cpp pays where a check costs little more than a decode, and is exact token for token
 where the rows are bit-identical (docs/benchmarks.md, 2026-12-04).
 
-    python tools/llamacpp_rows.py [--rows] [--flash-attn] FILE.gguf ...
+    python tools/llamacpp_rows.py [--rows] [--flash-attn] [--check N ...] FILE.gguf ...
 
 Runs the llama-cpp-python this interpreter imports (PYTHONPATH can point at another build).
 """
@@ -55,13 +56,15 @@ class Rows:
         out = self.lib.llama_get_logits_ith(self.ctx, row)
         return np.ctypeslib.as_array(out, shape=(self.vocab,)).copy()
 
-    def timings(self) -> str:
+    def timings(self, checks: list[int]) -> str:
         pp = statistics.median(self.decode(0, 512) for _ in range(5))
         self.decode(0, 400)
         one = statistics.median(self.decode(400, 1) for _ in range(30))
-        check = statistics.median(self.decode(400, 5, every_row=True) for _ in range(20))
-        return (f"pp512 {512 / pp:7.1f} tok/s  decode {one * 1000:6.2f} ms  "
-                f"5-row check {check * 1000:6.2f} ms ({check / one:.2f}x)")
+        line = f"pp512 {512 / pp:7.1f} tok/s  decode {one * 1000:6.2f} ms"
+        for n in checks:
+            check = statistics.median(self.decode(400, n, every_row=True) for _ in range(20))
+            line += f"  {n}-row check {check * 1000:6.2f} ms ({check / one:.2f}x)"
+        return line
 
     def row_differences(self, rows: int = 9) -> list[float]:
         import numpy as np
@@ -80,10 +83,12 @@ def main() -> None:
     parser.add_argument("files", nargs="+")
     parser.add_argument("--rows", action="store_true", help="compare a batch's rows too")
     parser.add_argument("--flash-attn", action="store_true")
+    parser.add_argument("--check", type=int, action="append",
+                        help="rows of a check to time (repeat; default 5)")
     args = parser.parse_args()
     for path in args.files:
         rows = Rows(path, args.flash_attn)
-        print(f"{path.rsplit('/', 1)[-1]:40s} {rows.timings()}", flush=True)
+        print(f"{path.rsplit('/', 1)[-1]:40s} {rows.timings(args.check or [5])}", flush=True)
         if args.rows:
             print(f"{'':40s} rows of a 9-row batch, largest logit difference to one row:"
                   f" {rows.row_differences()}", flush=True)
