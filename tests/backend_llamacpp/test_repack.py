@@ -7,6 +7,7 @@ in a build compiled on a CPU with AMX, whose matrix multiply segfaults). The bac
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import subprocess
 import sys
@@ -41,6 +42,8 @@ def test_the_runtime_report_names_the_cpu_and_where_the_weights_went() -> None:
     report = loaded(embedded_file("smollm2-135m-instruct"))
     assert report["cpu"] == HOST.model and report["cpu_flags"] == HOST.notable_flags
     assert "OPENMP" in report["llama_cpp_features"] or "AVX2" in report["llama_cpp_features"]
+    assert report["llama_cpp_version"] == importlib.metadata.version("llama-cpp-python")
+    assert report["llama_cpp_version"].endswith("+laya.q41gemm")  # the build make installs
     assert report["repack"] is cpu.choose_repack("auto", HOST, FEATURES).enabled
     assert report["repack_reason"].startswith("auto: ")
     # The Q4_1 file: no extra buffer takes Q4_1 but AMX's, and auto keeps that one off.

@@ -10,6 +10,7 @@ runtime report of ``describe`` and the :class:`ModelInfo`. ``llama_cpp`` is impo
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
 from typing import Any
 
 from laya_backend_llamacpp import cpu, memory
@@ -56,6 +57,7 @@ def load_model(ll: Any, config: ModelConfig) -> tuple[Any, dict[str, Any], str]:
         raise RuntimeError(f"llama.cpp could not load {config.path}")
     runtime: dict[str, Any] = {
         "cpu": host.model, "cpu_flags": host.notable_flags,
+        "llama_cpp_version": _installed_version(),
         "llama_cpp_features": sorted(features),
         "repack": repack.enabled, "repack_reason": repack.reason,
         "use_mmap": use_mmap,
@@ -64,6 +66,15 @@ def load_model(ll: Any, config: ModelConfig) -> tuple[Any, dict[str, Any], str]:
         **offload,
     }
     return model, runtime, pooling
+
+
+def _installed_version() -> str:
+    """llama-cpp-python's version: "0.3.36+laya.q41gemm" for the build `make install` makes
+    (plugins/backend_llamacpp/build_llama_cpp.py), "0.3.36" for PyPI's, slower on Q4_1."""
+    try:
+        return importlib.metadata.version("llama-cpp-python")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 _SPLIT_MODE = {"none": 0, "layer": 1, "row": 2}  # enum llama_split_mode
