@@ -24,18 +24,23 @@ endif
 SHELL := /bin/bash
 .SHELLFLAGS := -e -o pipefail -c
 
-# `pip install -v` with its whole output in $(LOG) and only the compile's progress on the
-# terminal: CMake's build lines ([N/M] from ninja, [ N%] from make) every 10%. When pip
-# fails, the end of the log says why, and make fails with it.
-define pip_compiling
-@echo "laya: pip install $(2) (compiling $(1); full output in $(LOG))"
-@$(BIN)/python -m pip install -v $(2) 2>&1 | tee -a $(LOG) | awk -v what="$(1)" \
-	'match($$0, /\[ *[0-9]+(\/[0-9]+|%)\]/) { \
+# A compiling command with its whole output in $(LOG) and only the compile's progress on the
+# terminal: CMake's build lines ([N/M] from ninja, [ N%] from make) every 10%, and the lines
+# it starts with "laya: ". When it fails, the end of the log says why, and make fails with it.
+define compiling
+@$(2) 2>&1 | tee -a $(LOG) | awk -v what="$(1)" \
+	'/^laya: / { print; fflush(); next } \
+	 match($$0, /\[ *[0-9]+(\/[0-9]+|%)\]/) { \
 	   s = substr($$0, RSTART + 1, RLENGTH - 2); gsub(/ /, "", s); \
 	   if (s ~ /%/) pct = s + 0; else { split(s, nm, "/"); pct = int(100 * nm[1] / nm[2]) } \
 	   if (pct >= shown + 10 || (pct == 100 && shown < 100)) { \
 	     printf "  %s: %d%% compiled\n", what, pct; fflush(); shown = pct } }' \
-	|| { echo "laya: pip failed; the end of $(LOG):"; tail -n 40 $(LOG); exit 1; }
+	|| { echo "laya: compiling $(1) failed; the end of $(LOG):"; tail -n 40 $(LOG); exit 1; }
+endef
+# `pip install -v` through it.
+define pip_compiling
+@echo "laya: pip install $(2) (compiling $(1); full output in $(LOG))"
+$(call compiling,$(1),$(BIN)/python -m pip install -v $(2))
 endef
 
 .PHONY: install serve test test-fast test-system-deps lint clean
@@ -59,7 +64,8 @@ $(STAMP): pyproject.toml plugins/backend_llamacpp/pyproject.toml plugins/backend
 	# (plugins/backend_llamacpp/patches/: a Q4_1 kernel for several rows at once), its wheel
 	# kept under ~/.cache/laya for the next install on this CPU. Installed before Laya, whose
 	# pin (==0.3.36) the patched build (0.3.36+laya.q41gemm) satisfies.
-	$(BIN)/python plugins/backend_llamacpp/build_llama_cpp.py --log $(LOG) > $(VENV)/llama-wheel
+	$(call compiling,llama.cpp,$(BIN)/python plugins/backend_llamacpp/build_llama_cpp.py \
+		--out $(VENV)/llama-wheel)
 	$(BIN)/python -m pip install --quiet --force-reinstall --no-deps "$$(cat $(VENV)/llama-wheel)"
 	$(BIN)/python -m pip install --quiet -e '.[test]' -e plugins/backend_llamacpp
 	$(call pip_compiling,the C++ router,./plugins/router_nanobind)

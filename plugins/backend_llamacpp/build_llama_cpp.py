@@ -1,8 +1,9 @@
 """Builds llama-cpp-python, at the version the llama.cpp backend pins, from its sources with
 Laya's patches to llama.cpp applied (``patches/*.patch`` beside this file), and prints the
-wheel's path. The Makefile's install step installs that wheel.
+wheel's path (or writes it to ``--out``). The Makefile's install step installs that wheel,
+and shows the compile's progress from this program's output.
 
-    python plugins/backend_llamacpp/build_llama_cpp.py [--log FILE] [--cache DIR]
+    python plugins/backend_llamacpp/build_llama_cpp.py [--out FILE] [--cache DIR]
 
 The patches:
 
@@ -38,7 +39,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PATCHES = sorted((HERE / "patches").glob("*.patch"))
 LABEL = "laya.q41gemm"
-PROGRESS = re.compile(r"\[ *(\d+)(?:/(\d+)|%)\]")  # ninja's [N/M], make's [ N%]
 
 
 def pinned_version() -> str:
@@ -51,6 +51,7 @@ def pinned_version() -> str:
 
 
 def cpu_flags() -> str:
+    # Not laya_backend_llamacpp.cpu.read_cpuinfo: this runs before Laya is installed.
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -114,36 +115,19 @@ def apply_patch(diff: str, root: Path) -> None:
         path.write_text("".join(text))
 
 
-def run_logged(cmd: list[str], log: Path, what: str) -> None:
-    """``cmd`` with its whole output appended to ``log`` and, on the terminal, the compile's
-    progress every 10%; on failure the log's end, and exit."""
-    shown = 0
-    with log.open("a") as out:
-        out.write(f"$ {' '.join(cmd)}\n")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, errors="replace")
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            out.write(line)
-            m = PROGRESS.search(line)
-            if m:
-                done = int(m.group(1))
-                pct = int(100 * done / int(m.group(2))) if m.group(2) else done
-                if pct >= shown + 10 or (pct == 100 and shown < 100):
-                    print(f"  {what}: {pct}% compiled", file=sys.stderr, flush=True)
-                    shown = pct
-    if proc.wait() != 0:
-        tail = log.read_text(errors="replace").splitlines()[-40:]
-        print(f"laya: {what} failed; the end of {log}:", *tail, sep="\n", file=sys.stderr)
-        raise SystemExit(1)
+def run(cmd: list[str]) -> None:
+    """``cmd`` with its output on ours (the Makefile logs it and shows the compile's
+    progress); exit if it fails."""
+    print(f"$ {' '.join(cmd)}", flush=True)
+    if subprocess.run(cmd, stderr=subprocess.STDOUT).returncode != 0:
+        raise SystemExit(f"laya: pip {cmd[3]} failed; its output is above")
 
 
-def build(version: str, into: Path, log: Path) -> Path:
+def build(version: str, into: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=into.parent) as scratch:
         work = Path(scratch)
-        run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
-                    ":all:", "-d", str(work), f"llama-cpp-python=={version}"], log,
-                   "llama-cpp-python's sources")
+        run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+             "-d", str(work), f"llama-cpp-python=={version}"])
         (sdist,) = work.glob("llama_cpp_python-*.tar.gz")
         with tarfile.open(sdist) as tar:
             tar.extractall(work, filter="data")
@@ -161,18 +145,17 @@ def build(version: str, into: Path, log: Path) -> Path:
             raise SystemExit(f"laya: no __version__ to label in {init}")
         init.write_text(text)
         print(f"laya: compiling llama.cpp (llama-cpp-python {version} with "
-              f"{', '.join(p.name for p in PATCHES)}; full output in {log})",
-              file=sys.stderr, flush=True)
+              f"{', '.join(p.name for p in PATCHES)}) into {into}", flush=True)
         into.mkdir(parents=True, exist_ok=True)
-        run_logged([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-cache-dir",
-                    "-w", str(into), str(src)], log, "llama.cpp")
+        run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-cache-dir", "-w",
+             str(into), str(src)])
     (wheel,) = into.glob("*.whl")
     return wheel
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--log", type=Path, default=Path("llama-cpp-build.log"))
+    parser.add_argument("--out", type=Path, help="write the wheel's path here, not on stdout")
     parser.add_argument("--cache", type=Path, default=Path(os.environ.get(
         "LAYA_WHEEL_CACHE", Path.home() / ".cache" / "laya" / "llama-cpp-python")))
     args = parser.parse_args(argv)
@@ -180,11 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     into = args.cache / cache_key(version)
     wheels = sorted(into.glob("*.whl"))
     if wheels:
-        print(f"laya: llama-cpp-python {version}+{LABEL} from {into}", file=sys.stderr)
+        print(f"laya: llama-cpp-python {version}+{LABEL} from {into}", flush=True)
     else:
         args.cache.mkdir(parents=True, exist_ok=True)
-        wheels = [build(version, into, args.log)]
-    print(wheels[0])
+        wheels = [build(version, into)]
+    if args.out:
+        args.out.write_text(f"{wheels[0]}\n")
+    else:
+        print(wheels[0])
     return 0
 
 
