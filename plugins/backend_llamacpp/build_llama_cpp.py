@@ -13,12 +13,20 @@ The patches:
   together and a draft's check all paid nearly one pass over the weights per row. Each row's
   result is bit for bit what the one-row product gives (tests/backend_llamacpp/
   test_q4_1_gemm.py); docs/benchmarks.md has what it changes.
+- ``exact-attention-rows.patch``: attention's products with the KV cache (a view, never a
+  weight) skip llamafile's tiles and go through ggml's vec_dot one output at a time, as a
+  one-row decode's always do. The tiles sum in another order, so a row of a draft's check,
+  a prompt chunk or a batch came out a few units in the last digits away from the same row
+  decoded alone, and greedy output with drafts could differ from the output without them at
+  a near-tie. With it, flash attention off and weight types whose several-row products are
+  exact (the embedded model's Q4_1 and Q8_0; ``laya_backend_llamacpp.cpu.batch_invariance``),
+  each row is the bits a one-row decode gives (tests/backend_llamacpp/test_exact_rows.py).
 
 The wheel is kept in DIR (default ``~/.cache/laya/llama-cpp-python``) under a key of what
 decides its contents: the version, the patches, ``CMAKE_ARGS`` (``make install GPU=cuda``
 sets it), the Python, and the CPU's flags, since the build compiles for the CPU it runs on
 and its wheel would stop with an illegal instruction on a CPU that lacks one of them. Its
-version carries the local label ``+laya.q41gemm`` (``pip show llama-cpp-python`` tells
+version carries the local label ``+laya.q41gemm.rowexact`` (``pip show llama-cpp-python`` tells
 which build is installed; ``==0.3.36`` still matches it).
 """
 
@@ -38,7 +46,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 PATCHES = sorted((HERE / "patches").glob("*.patch"))
-LABEL = "laya.q41gemm"
+LABEL = "laya.q41gemm.rowexact"
 
 
 def pinned_version() -> str:

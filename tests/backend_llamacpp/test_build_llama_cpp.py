@@ -42,9 +42,11 @@ def test_hunks_apply_where_their_headers_say(tmp_path: Path) -> None:
 
 
 def test_the_patches_name_the_file_they_change() -> None:
-    assert [p.name for p in build.PATCHES] == ["q4_1-gemm.patch"]
-    text = build.PATCHES[0].read_text()
-    assert "+++ b/vendor/llama.cpp/ggml/src/ggml-cpu/llamafile/sgemm.cpp" in text
+    files = {p.name: p.read_text() for p in build.PATCHES}
+    assert sorted(files) == ["exact-attention-rows.patch", "q4_1-gemm.patch"]
+    assert "+++ b/vendor/llama.cpp/ggml/src/ggml-cpu/llamafile/sgemm.cpp" in files["q4_1-gemm.patch"]
+    assert "+++ b/vendor/llama.cpp/ggml/src/ggml-cpu/ggml-cpu.c" in \
+        files["exact-attention-rows.patch"]
     assert build.pinned_version() == "0.3.36"
 
 

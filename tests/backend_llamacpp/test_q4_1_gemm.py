@@ -108,6 +108,6 @@ def test_each_row_of_a_batch_is_its_one_row_product(ggml, weights, threads: int)
     assert np.abs(alone - want).max() < 0.01 * np.abs(want).max()
 
 
-def test_the_installed_llama_cpp_carries_the_kernel() -> None:
+def test_the_installed_llama_cpp_carries_laya_s_patches() -> None:
     version = importlib.metadata.version("llama-cpp-python")
-    assert version.endswith("+laya.q41gemm"), version
+    assert version.endswith("+laya.q41gemm.rowexact"), version
