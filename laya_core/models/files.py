@@ -51,6 +51,9 @@ class ModelShape:
     # Element types of the weight matrices (GGUF type names in lower case, "q4_0"), leaving
     # out the token embedding, which is looked up rather than multiplied; empty when unknown.
     matrix_types: frozenset[str] = frozenset()
+    # The output head's element type (the token embedding's where the head is tied to it);
+    # None when unknown.
+    head_type: str | None = None
     # The pooling the model declares for embeddings ("mean", "cls", "last"), or None
     # (laya_core/models/pooling.py).
     pooling: str | None = None
@@ -112,6 +115,8 @@ def _shape_from_gguf(meta: dict[str, Any], arch: str, tensors: list[GGUFTensor])
                 and int(parts[1]) < n_layers:
             layers[int(parts[1])] += t.nbytes
     output = by_name.get("output.weight", by_name.get("token_embd.weight", 0))
+    head = next((t for t in tensors if t.name == "output.weight"),
+                next((t for t in tensors if t.name == "token_embd.weight"), None))
     return ModelShape(
         architecture=arch, n_layers=meta[f"{arch}.block_count"], n_heads=n_heads,
         n_kv_heads=n_kv, head_dim_k=head_k, head_dim_v=meta.get(f"{att}.value_length", head_k),
@@ -120,6 +125,7 @@ def _shape_from_gguf(meta: dict[str, Any], arch: str, tensors: list[GGUFTensor])
         weights_bytes=sum(t.nbytes for t in tensors),
         weights_source=f"GGUF tensor table ({len(tensors)} tensors)",
         matrix_types=frozenset(matrix_types),
+        head_type=None if head is None else head.type.name.lower(),
         pooling=pooling_of_gguf(meta.get(f"{arch}.pooling_type")),
         layer_bytes=tuple(layers), output_bytes=output,
         output_tied="output.weight" not in by_name)

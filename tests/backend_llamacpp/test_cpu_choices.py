@@ -83,3 +83,29 @@ def test_physical_cores_count_hyperthread_pairs_once(tmp_path: Path) -> None:
     assert cpu.physical_cores(range(5), tmp_path) == 3
     assert cpu.physical_cores([0, 2], tmp_path) == 1  # two threads of one core
     assert cpu.physical_cores([0, 1, 7], tmp_path) == 3  # topology unreadable: count CPUs
+
+
+def test_batch_invariance_needs_flash_attention_off_the_patched_build_and_checked_types() -> None:
+    epyc = cpu.read_cpuinfo(EPYC)
+    repacked = cpu.repacked_types(epyc, cpu.build_features(PLAIN_BUILD))
+    ours, pypi = "0.3.36+laya.q41gemm.rowexact", "0.3.36"
+    embedded = frozenset({"q4_1", "q8_0"})  # the layers and the tied head
+
+    def invariant(flash: object = False, version: str = ours, types: frozenset[str] = embedded,
+                  on: cpu.CpuInfo = epyc, gpu: int = 0) -> bool:
+        return cpu.batch_invariance(flash, version, types, on, repacked, gpu)[0]
+
+    assert invariant()
+    assert invariant(types=frozenset({"q5_k", "q6_k"}))  # no tiles take these on x86
+    assert not invariant(flash=True) and not invariant(flash="auto")
+    assert not invariant(version=pypi) and not invariant(version="0.3.36+laya.q41gemm")
+    assert not invariant(types=frozenset({"f16"}))  # float tiles sum in another order
+    assert not invariant(types=frozenset({"q4_0", "q8_0"}))
+    assert not invariant(types=frozenset())
+    assert not invariant(gpu=10)
+    assert not invariant(on=cpu.read_cpuinfo("model name : arm\nFeatures : asimd\n"))
+    ok, why = cpu.batch_invariance(False, ours, frozenset({"q4_k"}), epyc,
+                                   frozenset({"q4_k"}), 0)
+    assert not ok and "repacked" in why
+    ok, why = cpu.batch_invariance(False, pypi, embedded, epyc, repacked, 0)
+    assert not ok and "make install" in why

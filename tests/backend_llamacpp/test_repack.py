@@ -43,7 +43,9 @@ def test_the_runtime_report_names_the_cpu_and_where_the_weights_went() -> None:
     assert report["cpu"] == HOST.model and report["cpu_flags"] == HOST.notable_flags
     assert "OPENMP" in report["llama_cpp_features"] or "AVX2" in report["llama_cpp_features"]
     assert report["llama_cpp_version"] == importlib.metadata.version("llama-cpp-python")
-    assert report["llama_cpp_version"].endswith("+laya.q41gemm")  # the build make installs
+    assert report["llama_cpp_version"].endswith("+laya.q41gemm.rowexact")  # make install's
+    # Its rows are exact with flash attention off, the default: Q4_1 layers, a Q8_0 head.
+    assert report["batch_invariant"] is True, report["batch_invariant_reason"]
     assert report["repack"] is cpu.choose_repack("auto", HOST, FEATURES).enabled
     assert report["repack_reason"].startswith("auto: ")
     # The Q4_1 file: no extra buffer takes Q4_1 but AMX's, and auto keeps that one off.

@@ -195,7 +195,10 @@ class LlamaCppBackend(Backend):
         self.supports_moving = not self._unified
         params = loading.context_params(ll, self.config, n_ctx=n_ctx, max_num_seqs=max_num_seqs,
                                         threads=int(threads), unified=self._unified)
-        self._chunks_alone = not flash_attention(self.config)
+        # Prompt chunks get a forward pass of their own only where a row's bits depend on
+        # the rows beside it (_passes).
+        self._chunks_alone = not flash_attention(self.config) and \
+            not self._runtime["batch_invariant"]
         self._ctx = ll.llama_init_from_model(self._model, params)
         if not self._ctx:
             raise RuntimeError(f"llama.cpp could not create a context of {n_ctx} tokens")
@@ -230,6 +233,10 @@ class LlamaCppBackend(Backend):
     def describe(self) -> dict[str, Any]:
         # Python state only: this runs on other threads, even while the context is freed.
         runtime = dict(getattr(self, "_runtime", {}))
+        if runtime.get("batch_invariant") and runtime.get("lora"):
+            runtime.update(batch_invariant=False, batch_invariant_reason=(
+                "the base model's rows are exact, an adapter's are not: its products are "
+                "llamafile's float tiles"))
         governor = self._governor
         if governor is not None:
             runtime.update(n_threads=governor.threads, n_threads_mode="auto",
@@ -274,24 +281,30 @@ class LlamaCppBackend(Backend):
         out = [StepResult()] * len(items)
         for adapter, chosen in self._lora.groups([item.seq_id for item in items]):
             self._lora.apply(adapter, self._ctx)
-            for group in self._passes(items, chosen):
+            # An adapter's own products are float32 tiles, whose rows are not exact.
+            alone = self._chunks_alone or (adapter is not None and not flash_attention(
+                self.config))
+            for group in self._passes(items, chosen, alone):
                 self._run(items, group, out)
         return out
 
-    def _passes(self, items: Sequence[StepItem], chosen: list[int]) -> list[list[int]]:
+    def _passes(self, items: Sequence[StepItem], chosen: list[int],
+                alone: bool) -> list[list[int]]:
         """The items of each ``llama_decode`` of a step, in slot order.
 
         Slot order keeps neighbouring slots in one forward pass. One call holds the whole
-        step, except with flash attention off (the setting for exact repeatability): with a
-        KV stream per slot, llama.cpp cuts a batch into ubatches holding the same number of
-        tokens of every sequence, so a prompt chunk beside three decoding sequences ran as
-        1 token next to theirs and then the rest, and its answer depended on its neighbours.
-        There the decoding sequences share one call and each prompt chunk gets its own.
-        That costs throughput (c=8 1.16x llama-server against 1.33x, AMD EPYC), and with
-        flash attention on the output depends on the batch anyway, so only then.
+        step, unless ``alone``: with a KV stream per slot, llama.cpp cuts a batch into
+        ubatches holding the same number of tokens of every sequence, so a prompt chunk
+        beside three decoding sequences ran as 1 token next to theirs and then the rest.
+        Where a row's bits depend on the rows computed with it (flash attention on, weights
+        whose several-row products are not exact, a LoRA adapter's products: /ready's
+        ``batch_invariant``), its answer then depended on its neighbours; with flash
+        attention off the decoding sequences then share one call and each prompt chunk gets
+        its own (c=8 1.16x llama-server against 1.33x, AMD EPYC). With flash attention on
+        the output depends on the batch anyway, so one call.
         """
         order = sorted(chosen, key=lambda i: items[i].seq_id)
-        if self._unified or not self._chunks_alone:
+        if self._unified or not alone:
             return [order]
         # Decoding: one token each, and the drafts a sequence's checked tokens follow.
         decoding = [i for i in order if len(items[i].tokens) - len(items[i].draft) == 1]

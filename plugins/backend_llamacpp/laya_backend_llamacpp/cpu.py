@@ -60,6 +60,45 @@ _REPACKED_NEON = frozenset({"q4_0", "q4_k", "q5_k", "q6_k", "iq4_nl", "mxfp4", "
 _REPACKED_AMX = frozenset({"q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs"})
 
 
+# Weight types whose products with several rows llamafile's tiles compute, summing in
+# another order than the one-row vec_dot (float types), or whose tiles nobody here has
+# checked row for row against it (Q4_0, Q5_0, IQ4_NL). The other types give each row of a
+# batch the bits of its one-row product: the tiles do not take them (they go through the
+# same vec_dot a row at a time), or they sum each block as vec_dot does (Q8_0, and Q4_1 in
+# Laya's build, patches/q4_1-gemm.patch).
+_TILED_OTHERWISE = frozenset({"f32", "f16", "bf16", "q4_0", "q5_0", "iq4_nl"})
+# The local version label of a llama-cpp-python built with patches/exact-attention-rows.patch.
+ROW_EXACT_LABEL = "rowexact"
+
+
+def batch_invariance(flash_attn: object, version: str, weight_types: frozenset[str],
+                     cpu: CpuInfo, repacked: frozenset[str], gpu_layers: int) -> tuple[bool, str]:
+    """Whether each sequence's logits are the same bits whatever runs beside it (one row
+    or a draft's several, alone or in a batch, a prompt in any chunks), and why (/ready's
+    ``batch_invariant`` and ``batch_invariant_reason``). ``repacked``: the weight types
+    moved into an extra buffer (empty when repacking is off)."""
+    if flash_attn is not False:
+        return False, ("flash attention on: its CPU kernel is chosen by the batch's shape "
+                       "(flash_attn = false makes rows exact)")
+    if gpu_layers:
+        return False, "layers on a GPU: not checked row for row"
+    if "avx2" not in cpu.flags:
+        return False, "checked on x86 CPUs with AVX2 only"
+    if ROW_EXACT_LABEL not in version:
+        return False, (f"llama-cpp-python {version} computes a several-row attention in "
+                       "other kernels than a one-row decode (make install builds it with "
+                       "Laya's patches)")
+    if not weight_types:
+        return False, "the weights' types are not known"
+    if tiled := sorted(weight_types & _TILED_OTHERWISE):
+        return False, (f"{', '.join(tiled)} weights: llamafile's tiles sum several rows in "
+                       "another order than a one-row product")
+    if moved := sorted(weight_types & repacked):
+        return False, f"{', '.join(moved)} weights repacked: not checked row for row"
+    return True, (f"{', '.join(sorted(weight_types))} weights and flash attention off: "
+                  "every row is computed as a one-row decode computes it")
+
+
 def repacked_types(cpu: CpuInfo, features: frozenset[str]) -> frozenset[str]:
     """The weight types llama.cpp would copy into an extra buffer on this CPU and build."""
     types: set[str] = set()

@@ -55,9 +55,16 @@ def load_model(ll: Any, config: ModelConfig) -> tuple[Any, dict[str, Any], str]:
         model = ll.llama_model_load_from_file(config.path.encode(), params)
     if not model:
         raise RuntimeError(f"llama.cpp could not load {config.path}")
+    version = _installed_version()
+    invariant, why = cpu.batch_invariance(
+        flash_attention(config), version,
+        shape.matrix_types | ({shape.head_type} if shape.head_type else set()), host,
+        cpu.repacked_types(host, features) if repack.enabled else frozenset(),
+        offload["n_gpu_layers"])
     runtime: dict[str, Any] = {
         "cpu": host.model, "cpu_flags": host.notable_flags,
-        "llama_cpp_version": _installed_version(),
+        "llama_cpp_version": version,
+        "batch_invariant": invariant, "batch_invariant_reason": why,
         "llama_cpp_features": sorted(features),
         "repack": repack.enabled, "repack_reason": repack.reason,
         "use_mmap": use_mmap,
@@ -69,7 +76,7 @@ def load_model(ll: Any, config: ModelConfig) -> tuple[Any, dict[str, Any], str]:
 
 
 def _installed_version() -> str:
-    """llama-cpp-python's version: "0.3.36+laya.q41gemm" for the build `make install` makes
+    """llama-cpp-python's version: "0.3.36+laya.q41gemm.rowexact" for the build `make install` makes
     (plugins/backend_llamacpp/build_llama_cpp.py), "0.3.36" for PyPI's, slower on Q4_1."""
     try:
         return importlib.metadata.version("llama-cpp-python")
