@@ -72,6 +72,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     model: str | None = None  # method "draft": the draft model's path (laya_core/engine/draft_model.py)
+    # No drafts in a step that runs more sequences than this (None: drafts at any batch size).
+    disable_by_batch_size: int | None = None
 
 
 class FinishReason(enum.Enum):

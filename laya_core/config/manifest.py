@@ -168,7 +168,7 @@ MODEL_KEYS = ("name", "backend", "path", "max_seq_len", "max_num_seqs", "kv_cach
               "idle_unload_s", "speculative", "lora", "max_loras", "max_lora_rank",
               "options")
 SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min",
-                    "prompt_lookup_max", "model")
+                    "prompt_lookup_max", "model", "disable_by_batch_size")
 # Speculative decoding's methods: prompt lookup (laya_core/engine/speculative.py) and a
 # draft model (laya_core/engine/draft_model.py).
 SPECULATIVE_METHODS = ("ngram", "draft")
@@ -203,8 +203,10 @@ def _speculative(data: Any, where: str, base_dir: Path,
     high = t.int_in("prompt_lookup_max", 1, 32, default.prompt_lookup_max)
     if low is not None and high is not None and low > high:
         t.problem("prompt_lookup_max", f"must be at least prompt_lookup_min ({low}), got {high}")
+    batch = t.int_in("disable_by_batch_size", 1, 4096, None)
     t.finish(SPECULATIVE_KEYS)
-    return SpeculativeConfig(method, k, low, high, model)  # (a problem fails the manifest)
+    # (a problem fails the manifest)
+    return SpeculativeConfig(method, k, low, high, model, batch)
 
 
 def _lora(data: dict[str, Any], where: str, base_dir: Path,

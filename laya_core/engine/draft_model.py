@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from laya_core.backend import Backend, ModelConfig, StepItem
+from laya_core.engine.speculative import drafts_at
 from laya_core.kv.prefix import common_prefix_len
 from laya_core.types import SamplingParams, SpeculativeConfig
 
@@ -126,11 +127,14 @@ class DraftModel:
                                                    block_table=tuple(table))
 
     def prepare(self, running: Sequence[Request]) -> None:
-        """Draft for every decoding sequence with a :class:`ModelDrafter` (module docstring)."""
+        """Draft for every decoding sequence with a :class:`ModelDrafter` (module docstring),
+        unless the step runs more sequences than ``disable_by_batch_size``."""
         drafters = []
         for seq in running:
             drafter = seq.drafter
-            if isinstance(drafter, ModelDrafter) and not seq.is_prefilling \
+            if isinstance(drafter, ModelDrafter) and not drafts_at(drafter.config, len(running)):
+                drafter.ready = []
+            elif isinstance(drafter, ModelDrafter) and not seq.is_prefilling \
                     and seq.output_token_ids:
                 drafter.ready = []
                 room = self._max_seq_len - seq.num_prompt_tokens - len(seq.output_token_ids)
@@ -204,6 +208,7 @@ class ModelDrafter:
 
     def __init__(self, model: DraftModel, config: SpeculativeConfig) -> None:
         self.model = model
+        self.config = config
         self.slot = -1  # taken on the engine thread, at the first draft
         self.length = config.num_speculative_tokens  # the next draft's length, at most
         self._max = config.num_speculative_tokens

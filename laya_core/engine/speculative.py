@@ -34,6 +34,13 @@ DRAFT_BYTES_PER_TOKEN = 16
 DRAFT_BYTES_PER_NGRAM = 150
 
 
+def drafts_at(config: SpeculativeConfig, batch: int) -> bool:
+    """Whether a step that runs ``batch`` sequences drafts (``disable_by_batch_size``): a
+    check's extra rows cost little beside one sequence's decode, which reads the weights for
+    one row, and nearly a row's compute each beside a batch that already fills the cores."""
+    return config.disable_by_batch_size is None or batch <= config.disable_by_batch_size
+
+
 def drafter_bytes_per_token(config: SpeculativeConfig) -> int:
     """The memory a drafter takes per token of its sequence, for the memory plan."""
     sizes = config.prompt_lookup_max - config.prompt_lookup_min + 1

@@ -15,6 +15,7 @@ import attrs
 from laya_core.backend import StepItem
 from laya_core.engine.allowed_tokens import AllowedTokens
 from laya_core.engine.request import Request
+from laya_core.engine.speculative import drafts_at
 from laya_core.kv.policies import KVCache, KVOp
 
 
@@ -77,6 +78,7 @@ def build_plan(kv: KVCache, order: Iterable[Request], max_step_tokens: int,
     """
     budget, scored = max_step_tokens, max_scored_tokens
     chunks: list[PlannedChunk] = []
+    order = list(order)
     for seq in order:
         if budget == 0:
             break
@@ -84,7 +86,8 @@ def build_plan(kv: KVCache, order: Iterable[Request], max_step_tokens: int,
         tokens = seq.tokens_to_compute(min(budget, scored) if scoring else budget)
         if tokens:
             draft: tuple[int, ...] = ()
-            if seq.drafter is not None and not seq.is_prefilling and budget > 1:
+            if seq.drafter is not None and not seq.is_prefilling and budget > 1 \
+                    and drafts_at(seq.drafter.config, len(order)):
                 # k drafts and the token after them: at most max_total_tokens in all.
                 room = min(budget - 1, seq.max_total_tokens - seq.num_tokens - 1)
                 draft = tuple(seq.drafter.draft(seq.output_token_ids, room))

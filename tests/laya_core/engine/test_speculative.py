@@ -100,6 +100,23 @@ def test_a_request_may_opt_out() -> None:
         engine.stop()
 
 
+def test_no_drafts_in_a_step_with_more_sequences_than_disable_by_batch_size() -> None:
+    """``disable_by_batch_size = 1``: three prompts at once decode without drafts while
+    more than one runs, and with them once one is left; the outputs are the model's."""
+    engine = started_engine(speculative=SpeculativeConfig(disable_by_batch_size=1),
+                            max_num_seqs=3, max_step_tokens=64)
+    prompts = [b"abcabcabcabc", b"xyxyxyxyxy", b"hello hello hello "]
+    try:
+        out = _outputs(engine, prompts, SamplingParams(max_tokens=3))
+        assert out == [bytes(p[i % len(p)] for i in range(len(p), len(p) + 3)).decode()
+                       for p in prompts]
+        assert len(engine.backend.steps) > 1 and engine.speculative.num_drafts == 0
+        assert _outputs(engine, prompts[:1], SamplingParams(max_tokens=9)) == ["abcabcabc"]
+        assert engine.speculative.num_drafts > 0  # alone, it drafts
+    finally:
+        engine.stop()
+
+
 def _model(**speculative: object) -> dict[str, object]:
     return {"models": [{"name": "m", "path": "/x.gguf", "speculative": speculative}]}
 
@@ -107,6 +124,8 @@ def _model(**speculative: object) -> dict[str, object]:
 def test_the_manifest_table() -> None:
     m = mf.from_dict(_model(num_speculative_tokens=6, prompt_lookup_max=5))
     assert m.models[0].speculative == SpeculativeConfig("ngram", 6, 2, 5)
+    m = mf.from_dict(_model(disable_by_batch_size=2))
+    assert m.models[0].speculative == SpeculativeConfig(disable_by_batch_size=2)
     assert mf.from_dict({"models": [{"name": "m", "path": "/x.gguf"}]}).models[0] \
         .speculative is None
 
@@ -119,6 +138,9 @@ def test_the_manifest_table() -> None:
     ({"prompt_lookup_min": 4, "prompt_lookup_max": 3}, "models[0].speculative.prompt_lookup_max",
      "at least prompt_lookup_min"),
     ({"lookahead": 3}, "models[0].speculative.lookahead", "unknown key"),
+    ({"disable_by_batch_size": 0}, "models[0].speculative.disable_by_batch_size", "between"),
+    ({"disable_by_batch_size": "4"}, "models[0].speculative.disable_by_batch_size",
+     "expected int"),
 ])
 def test_a_bad_table_names_its_key(table: dict[str, object], key: str, says: str) -> None:
     with pytest.raises(ManifestError) as e:
