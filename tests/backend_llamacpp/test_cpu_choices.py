@@ -96,7 +96,8 @@ def test_batch_invariance_needs_flash_attention_off_the_patched_build_and_checke
         return cpu.batch_invariance(flash, version, types, on, repacked, gpu)[0]
 
     assert invariant()
-    assert invariant(types=frozenset({"q5_k", "q6_k"}))  # no tiles take these on x86
+    assert invariant(types=frozenset({"q8_0"}))
+    assert not invariant(types=frozenset({"q6_k", "q8_0"}))  # measured: rows differ
     assert not invariant(flash=True) and not invariant(flash="auto")
     assert not invariant(version=pypi) and not invariant(version="0.3.36+laya.q41gemm")
     assert not invariant(types=frozenset({"f16"}))  # float tiles sum in another order
@@ -104,8 +105,9 @@ def test_batch_invariance_needs_flash_attention_off_the_patched_build_and_checke
     assert not invariant(types=frozenset())
     assert not invariant(gpu=10)
     assert not invariant(on=cpu.read_cpuinfo("model name : arm\nFeatures : asimd\n"))
-    ok, why = cpu.batch_invariance(False, ours, frozenset({"q4_k"}), epyc,
-                                   frozenset({"q4_k"}), 0)
-    assert not ok and "repacked" in why
+    xeon = cpu.read_cpuinfo(XEON_SPR)  # repack = true there: the AMX buffer takes both
+    ok, why = cpu.batch_invariance(False, ours, embedded, xeon,
+                                   cpu.repacked_types(xeon, cpu.build_features(AMX_BUILD)), 0)
+    assert not ok and "q4_1, q8_0 weights repacked" in why, why
     ok, why = cpu.batch_invariance(False, pypi, embedded, epyc, repacked, 0)
     assert not ok and "make install" in why
