@@ -62,11 +62,16 @@ def scored_tokens_per_step(max_step_tokens: int) -> int:
 
 def sampled_rows_per_step(config: ModelConfig) -> int:
     """How many rows of logits one step may sample: one per running sequence, and with
-    speculative decoding one more per draft token, within the step's token budget."""
+    speculative decoding one more per draft token, within the step's token budget; only
+    steps of at most ``disable_by_batch_size`` sequences draft."""
     seqs = config.max_num_seqs or 1  # (a plan's config has it decided)
-    if config.speculative is None:
+    spec = config.speculative
+    if spec is None:
         return seqs
-    return min(config.max_step_tokens, seqs * (1 + config.speculative.num_speculative_tokens))
+    drafting = seqs if spec.disable_by_batch_size is None else \
+        min(seqs, spec.disable_by_batch_size)
+    return min(config.max_step_tokens,
+               max(seqs, drafting * (1 + spec.num_speculative_tokens)))
 
 
 @attrs.frozen

@@ -221,3 +221,21 @@ def test_the_plan_holds_the_draft_models_weights_and_kv() -> None:
     assert plans[1].total_bytes - plans[0].total_bytes == sum(
         b for name, b in lines.items() if name.startswith("draft model")) + \
         lines["logits buffer"] - before["logits buffer"]
+
+
+def test_the_plan_counts_check_rows_only_for_the_steps_that_draft() -> None:
+    """With ``disable_by_batch_size``, only steps of that many sequences check drafts: the
+    logits a step may sample are the larger of one row per sequence and their rows."""
+    from laya_core.memory.ledger import sampled_rows_per_step
+
+    def rows(seqs: int, **spec: object) -> int:
+        model = {"name": "m", "path": "/x.gguf", "max_num_seqs": seqs, "max_step_tokens": 256}
+        if spec:
+            model["speculative"] = spec
+        return sampled_rows_per_step(mf.from_dict({"models": [model]}).models[0])
+
+    assert rows(8) == 8 and rows(8, method="ngram") == 40  # 8 sequences x (1 + 4)
+    assert rows(8, method="ngram", disable_by_batch_size=1) == 8  # one drafts: 5 rows
+    assert rows(2, method="ngram", disable_by_batch_size=1) == 5
+    assert rows(8, method="ngram", disable_by_batch_size=4) == 20
+    assert rows(100, method="ngram") == 256  # within the step's budget
