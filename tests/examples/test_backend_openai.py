@@ -203,7 +203,10 @@ def test_a_killed_upstream_ends_its_stream_and_the_other_serves_until_it_is_back
     errors = [json.loads(c)["error"] for c in rest if c != "[DONE]" and "error" in json.loads(c)]
     assert errors and errors[0]["code"] == "replica_lost", rest[-3:]
     down = [r for r in replicas(front.url) if r["replica"] == busy[0]["replica"]][0]
-    assert down["state"] != "ready" and "broke off" in str(down["error"])
+    # Down, for the break; the health check retries every 0.5 s, and on a busy machine a
+    # retry may already have put its own reason (the upstream refusing) in its place.
+    assert down["state"] != "ready" and any(
+        why in str(down["error"]) for why in ("broke off", "Connection refused")), down
     # The next requests go to the other upstream.
     for _ in range(3):
         r = httpx.post(f"{front.url}/v1/chat/completions", json=CHAT, timeout=60)
