@@ -23,12 +23,12 @@ TEXT = b"def f(x):\n    return x + 1\nclass A:\n    pass\n" * 60
 
 
 class Rows:
-    def __init__(self, path: str, flash_attn: bool) -> None:
+    def __init__(self, path: str, flash_attn: bool, threads: int = 2) -> None:
         import llama_cpp
         from llama_cpp import Llama
 
         self.lib = llama_cpp
-        self.model = Llama(path, n_ctx=1024, n_batch=512, n_threads=2, verbose=False,
+        self.model = Llama(path, n_ctx=1024, n_batch=512, n_threads=threads, verbose=False,
                            flash_attn=flash_attn)
         self.ctx = self.model._ctx.ctx
         self.vocab = self.model.n_vocab()
