@@ -3,7 +3,11 @@ own text, for the model to check in one step.
 
 The sequence's last ``n`` tokens (``n`` from ``prompt_lookup_max`` down to
 ``prompt_lookup_min``) are looked up among its earlier tokens, prompt and output alike; the
-tokens that followed their latest earlier occurrence are the draft. The backend feeds the
+tokens that followed their latest earlier occurrence are the draft. While the text goes on
+copying the stretch the last draft came from (its last ``prompt_lookup_max`` tokens are the
+ones before the same place there), the draft continues that stretch instead: in text that
+repeats itself the latest occurrence of a short n-gram is often another line than the one
+being copied. The backend feeds the
 last token and the draft together and samples row after row with the sequence's own sampler,
 stopping at the first row whose token is not the draft's next one (``StepItem.draft``). A
 draft is one token for certain (its probability is 1), so "sample from the model's
@@ -71,6 +75,10 @@ class NgramDrafter:
         self._pause = 0  # steps left without a draft
         self._failures = 0  # drafts rejected outright, one after another
         self._length = config.num_speculative_tokens  # the next draft's length, at most
+        # Where the last draft was copied from, and how long the text was then: the copy's
+        # next token stands at _source + (the text's growth since) while the text still
+        # follows it.
+        self._source = self._source_end = -1
 
     def draft(self, output: list[int], limit: int) -> list[int]:
         """Up to ``min(limit, num_speculative_tokens)`` tokens that may follow the prompt and
@@ -85,11 +93,32 @@ class NgramDrafter:
         k = min(limit, self._length)
         if k <= 0:
             return []
+        at = self._continued(end)
         for n in range(min(cfg.prompt_lookup_max, end - 1), cfg.prompt_lookup_min - 1, -1):
-            at = self._index.get(tuple(tokens[end - n:end]))
             if at is not None:
-                return tokens[at:at + k]
-        return []
+                break
+            at = self._index.get(tuple(tokens[end - n:end]))
+        if at is None:
+            return []
+        self._source, self._source_end = at, end
+        return tokens[at:at + k]
+
+    def _continued(self, end: int) -> int | None:
+        """Where the stretch the last draft copied goes on, while the text's last
+        ``prompt_lookup_max`` tokens are still the ones before it there; else None. Text
+        that repeats itself (code's alike lines, a list's items) has several earlier
+        occurrences of a short n-gram, and the latest of them is often another line than
+        the one being copied. (Letting one token of them differ, a renamed word, measured
+        no better on the copy benchmark.)"""
+        if self._source < 0:
+            return None
+        at = self._source + end - self._source_end
+        n = min(self.config.prompt_lookup_max, at)
+        tokens = self._tokens
+        if at >= end or n < self.config.prompt_lookup_min or \
+                tokens[at - n:at] != tokens[end - n:end]:
+            return None
+        return at
 
     def accepted(self, num_draft: int, num_accepted: int) -> None:
         """What the model made of the last draft: ``num_accepted`` of its ``num_draft``."""

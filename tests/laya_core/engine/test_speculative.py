@@ -30,6 +30,21 @@ def test_the_draft_follows_the_latest_earlier_occurrence_of_the_longest_ngram() 
     assert drafter.draft([4, 1, 2, 3], 2) == [7, 7]  # the room left limits it
 
 
+def test_a_copy_goes_on_where_it_was_while_the_text_follows_it() -> None:
+    """Two alike lines (1 2 3 4 5 and 1 2 3 4 6), the first already copied: copying the
+    second, the draft goes on along the second line, where the latest occurrence of the
+    last two tokens is the first line's copy (which goes on with 5)."""
+    prompt = [10, 1, 2, 3, 4, 5, 11, 1, 2, 3, 4, 6]
+    drafter = NgramDrafter(SpeculativeConfig(prompt_lookup_max=2), prompt)
+    assert drafter.draft([10, 1], 8) == [2, 3, 4, 5]
+    drafter.accepted(4, 4)
+    assert drafter.draft([10, 1, 2, 3, 4, 5, 11], 8) == [1, 2, 3, 4]  # the second line
+    drafter.accepted(4, 1)
+    assert drafter.draft([10, 1, 2, 3, 4, 5, 11, 1, 2, 3], 8)[:2] == [4, 6]
+    # Once the text leaves the copy, the longest n-gram decides again.
+    assert drafter.draft([10, 1, 2, 3, 4, 5, 11, 1, 2, 3, 9, 10, 1], 8)[:1] == [2]
+
+
 def test_no_draft_without_a_long_enough_match_or_room() -> None:
     drafter = NgramDrafter(SpeculativeConfig(prompt_lookup_min=3), [1, 2, 5, 1, 2])
     assert drafter.draft([], 4) == []  # only [1, 2] repeats: shorter than the minimum
