@@ -16,9 +16,9 @@ The patches:
 - ``exact-attention-rows.patch``: attention's products with the KV cache (a view, never a
   weight) skip llamafile's tiles and go through ggml's vec_dot one output at a time, as a
   one-row decode's always do. The tiles sum in another order, so a row of a draft's check,
-  a prompt chunk or a batch came out a few units in the last digits away from the same row
-  decoded alone, and greedy output with drafts could differ from the output without them at
-  a near-tie. With it, flash attention off and weight types whose several-row products are
+  a prompt chunk or a batch came out up to 0.7 in a logit away from the same row decoded
+  alone, and greedy output with drafts could differ from the output without them at a
+  near-tie. With it, flash attention off and weight types whose several-row products are
   exact (the embedded model's Q4_1 and Q8_0; ``laya_backend_llamacpp.cpu.batch_invariance``),
   each row is the bits a one-row decode gives (tests/backend_llamacpp/test_exact_rows.py).
 

@@ -281,7 +281,7 @@ class LlamaCppBackend(Backend):
         out = [StepResult()] * len(items)
         for adapter, chosen in self._lora.groups([item.seq_id for item in items]):
             self._lora.apply(adapter, self._ctx)
-            # An adapter's own products are float32 tiles, whose rows are not exact.
+            # An adapter's own products run in llamafile's float tiles: not exact rows.
             alone = self._chunks_alone or (adapter is not None and not flash_attention(
                 self.config))
             for group in self._passes(items, chosen, alone):
