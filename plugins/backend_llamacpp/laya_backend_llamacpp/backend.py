@@ -197,8 +197,9 @@ class LlamaCppBackend(Backend):
                                         threads=int(threads), unified=self._unified)
         # Prompt chunks get a forward pass of their own only where a row's bits depend on
         # the rows beside it (_passes).
-        self._chunks_alone = not flash_attention(self.config) and \
-            not self._runtime["batch_invariant"]
+        # An adapter's own products run in llamafile's float tiles: never exact rows.
+        self._adapter_chunks_alone = not flash_attention(self.config)
+        self._chunks_alone = self._adapter_chunks_alone and not self._runtime["batch_invariant"]
         self._ctx = ll.llama_init_from_model(self._model, params)
         if not self._ctx:
             raise RuntimeError(f"llama.cpp could not create a context of {n_ctx} tokens")
@@ -281,9 +282,7 @@ class LlamaCppBackend(Backend):
         out = [StepResult()] * len(items)
         for adapter, chosen in self._lora.groups([item.seq_id for item in items]):
             self._lora.apply(adapter, self._ctx)
-            # An adapter's own products run in llamafile's float tiles: not exact rows.
-            alone = self._chunks_alone or (adapter is not None and not flash_attention(
-                self.config))
+            alone = self._adapter_chunks_alone if adapter is not None else self._chunks_alone
             for group in self._passes(items, chosen, alone):
                 self._run(items, group, out)
         return out
