@@ -184,7 +184,8 @@ def test_a_chat_reply_streams_shows_its_timing_and_stop_frees_the_sequence(
 def _load(url: str, n: int, done: threading.Event) -> list[int]:
     """``n`` concurrent streamed chats; their status codes."""
     async def one(client: httpx.AsyncClient, i: int) -> int:
-        body = {"model": "smollm2", "stream": True, "max_tokens": 16, "temperature": 0,
+        # Lengths differ, so sequences end at different steps and the pool's use moves.
+        body = {"model": "smollm2", "stream": True, "max_tokens": 8 + i % 12, "temperature": 0,
                 "messages": [{"role": "user", "content": f"Count to ten, take {i}."}]}
         async with client.stream("POST", url + "/v1/chat/completions", json=body,
                                  headers=AUTH) as r:
@@ -226,9 +227,10 @@ def test_kv_use_rises_under_64_streams_and_falls_back_while_updates_keep_flowing
     assert statuses == [200] * NUM_STREAMS
     assert max(used) > 0 and max(waiting) > 0, (used, waiting)
     assert shot is not None and shot.stat().st_size > 10_000
-    # Updates kept flowing under load: the page took several snapshots while it ran, and
-    # showed the KV use change between them (how often is the machine's, not asserted).
-    assert updates[-1] - updates[0] >= 3 and len(set(used)) >= 3, (updates, used)
+    # Updates kept flowing under load: the page took several snapshots while it ran. Which
+    # values it caught is the machine's: a full pool can read the same at every poll, and the
+    # last sequences can end between two polls, so the fall is checked below, not sampled.
+    assert updates[-1] - updates[0] >= 3, (updates, used)
     page.wait_for_function(
         "() => document.querySelector(\".replica [data-field=blocks_used]\").textContent === '0'"
         " && document.querySelector(\".replica [data-field=running]\").textContent === '0'",
