@@ -41,9 +41,25 @@ def test_hunks_apply_where_their_headers_say(tmp_path: Path) -> None:
         build.apply_patch(DIFF, tmp_path)  # applied already
 
 
+def test_a_diff_of_two_files_ends_each_hunk_at_its_counted_lines(tmp_path: Path) -> None:
+    """A hunk followed by the next file's ``--- a/PATH`` header: that line is no removal."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "f.c").write_text("a\nb\nc\nd\n")
+    (tmp_path / "src" / "g.h").write_text("x\ny\n")
+    diff = ("--- a/src/f.c\n+++ b/src/f.c\n@@ -2,2 +2,3 @@\n b\n+new\n c\n"
+            "--- a/src/g.h\n+++ b/src/g.h\n@@ -1,2 +1,2 @@\n-x\n+X\n y\n")
+    build.apply_patch(diff, tmp_path)
+    assert (tmp_path / "src" / "f.c").read_text() == "a\nb\nnew\nc\nd\n"
+    assert (tmp_path / "src" / "g.h").read_text() == "X\ny\n"
+
+
 def test_the_patches_name_the_file_they_change() -> None:
     files = {p.name: p.read_text() for p in build.PATCHES}
-    assert sorted(files) == ["exact-attention-rows.patch", "q4_1-gemm.patch"]
+    assert sorted(files) == ["exact-attention-rows.patch", "f16-dot-rows.patch",
+                             "kv-cells-pad.patch", "q4_1-gemm.patch"]
+    for name in ("ggml-cpu.c", "vec.h", "vec.cpp"):
+        assert f"+++ b/vendor/llama.cpp/ggml/src/ggml-cpu/{name}" in files["f16-dot-rows.patch"]
+    assert "+++ b/vendor/llama.cpp/src/llama-kv-cache.cpp" in files["kv-cells-pad.patch"]
     assert "+++ b/vendor/llama.cpp/ggml/src/ggml-cpu/llamafile/sgemm.cpp" in files["q4_1-gemm.patch"]
     assert "+++ b/vendor/llama.cpp/ggml/src/ggml-cpu/ggml-cpu.c" in \
         files["exact-attention-rows.patch"]
