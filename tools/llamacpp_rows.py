@@ -8,7 +8,7 @@ decoded alone (the largest logit difference; 0.0 is bit-identical). Speculative 
 llama.cpp pays where a check costs little more than a decode, and is exact token for token
 where the rows are bit-identical (docs/benchmarks.md, 2026-12-04).
 
-    python tools/llamacpp_rows.py [--rows] [--flash-attn] [--check N ...] FILE.gguf ...
+    python tools/llamacpp_rows.py [--rows] [--flash-attn] [--check N ...] [--at POS ...] FILE.gguf ...
 
 Runs the llama-cpp-python this interpreter imports (PYTHONPATH can point at another build).
 """
@@ -56,11 +56,16 @@ class Rows:
         out = self.lib.llama_get_logits_ith(self.ctx, row)
         return np.ctypeslib.as_array(out, shape=(self.vocab,)).copy()
 
-    def timings(self, checks: list[int]) -> str:
+    def timings(self, checks: list[int], positions: list[int] | None = None) -> str:
         pp = statistics.median(self.decode(0, 512) for _ in range(5))
+        line = f"pp512 {512 / pp:7.1f} tok/s"
+        for at in positions or []:  # a decode's cost grows with the KV cells it attends over
+            self.decode(0, at)
+            at_ms = statistics.median(self.decode(at, 1) for _ in range(30)) * 1000
+            line += f"  decode at {at} {at_ms:6.2f} ms"
         self.decode(0, 400)
         one = statistics.median(self.decode(400, 1) for _ in range(30))
-        line = f"pp512 {512 / pp:7.1f} tok/s  decode {one * 1000:6.2f} ms"
+        line += f"  decode {one * 1000:6.2f} ms"
         for n in checks:
             check = statistics.median(self.decode(400, n, every_row=True) for _ in range(20))
             line += f"  {n}-row check {check * 1000:6.2f} ms ({check / one:.2f}x)"
@@ -85,10 +90,12 @@ def main() -> None:
     parser.add_argument("--flash-attn", action="store_true")
     parser.add_argument("--check", type=int, action="append",
                         help="rows of a check to time (repeat; default 5)")
+    parser.add_argument("--at", type=int, action="append", default=[],
+                        help="also time one decode at this position (repeat; up to 511)")
     args = parser.parse_args()
     for path in args.files:
         rows = Rows(path, args.flash_attn)
-        print(f"{path.rsplit('/', 1)[-1]:40s} {rows.timings(args.check or [5])}", flush=True)
+        print(f"{path.rsplit('/', 1)[-1]:40s} {rows.timings(args.check or [5], args.at)}", flush=True)
         if args.rows:
             print(f"{'':40s} rows of a 9-row batch, largest logit difference to one row:"
                   f" {rows.row_differences()}", flush=True)
