@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 TEXT = b"def f(x):\n    return x + 1\nclass A:\n    pass\n" * 60
 
@@ -83,14 +84,28 @@ class Rows:
         return [round(float(np.abs(self.logits(i) - alone[i]).max()), 4) for i in range(rows)]
 
 
+def _within(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: a whole number from ``low`` to ``high`` (the 512 tokens of TEXT)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"a whole number, not {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not from {low} to {high}: the text "
+                                             "is 512 tokens")
+        return value
+    return parse
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+")
     parser.add_argument("--rows", action="store_true", help="compare a batch's rows too")
     parser.add_argument("--flash-attn", action="store_true")
-    parser.add_argument("--check", type=int, action="append",
+    parser.add_argument("--check", type=_within(1, 112), action="append",
                         help="rows of a check to time (repeat; default 5)")
-    parser.add_argument("--at", type=int, action="append", default=[],
+    parser.add_argument("--at", type=_within(1, 511), action="append", default=[],
                         help="also time one decode at this position (repeat; up to 511)")
     args = parser.parse_args()
     for path in args.files:
