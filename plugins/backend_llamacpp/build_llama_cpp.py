@@ -21,10 +21,13 @@ The patches:
   near-tie. With it, flash attention off and weight types whose several-row products are
   exact (the embedded model's Q4_1 and Q8_0; ``laya_backend_llamacpp.cpu.batch_invariance``),
   each row is the bits a one-row decode gives (tests/backend_llamacpp/test_exact_rows.py).
-- ``f16-dot-rows.patch``: with AVX512, attention's products compute four outputs a call
-  (four rows of the KV cache against one query row, the query loaded and converted once),
-  each summed with ggml_vec_dot_f16's accumulators, order and reduction: the same bits,
-  fewer instructions. Elsewhere the call is four ggml_vec_dot_f16 calls.
+- ``f16-dot-rows.patch``: with AVX512, attention's products compute sixteen outputs a call
+  (sixteen rows of the KV cache against one query row, the query loaded and converted once),
+  each summed with ggml_vec_dot_f16's accumulators and order. The sixteen final reductions
+  are done together, the same additions in shuffled lanes, and where several query rows
+  read the same sixteen KV rows (a prompt, a draft's check) those rows are converted to
+  floats once for all of them: the same bits, fewer instructions. Rows left over go four at
+  a time; elsewhere the call is ggml_vec_dot_f16's.
 - ``kv-cells-pad.patch``: attention runs over the KV cells in use rounded up to 64, not 256.
   Without flash attention every padded cell is computed and then masked (about 4 us a cell
   a token on the embedded model, 0.8 ms of a 10 ms decode at position 40). 64 is a multiple
