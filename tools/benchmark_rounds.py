@@ -11,7 +11,10 @@ worth something when both ran in the same minutes: each round starts every serve
 it. ``--busy N`` keeps N CPU-bound processes running beside each measurement, the case in
 which llama.cpp's threads can collapse. The output is one line per run, then per server and
 level the median over the rounds of output tokens/s and TTFT p50, and each round's ratio to
-the baseline server (``--baseline``, default the first); ``--out`` writes it all as JSON.
+the baseline server (``--baseline``, default the first), of output tokens/s and of decode
+tokens/s (after each request's first token, which speculative decoding changes and a
+prompt's prefill does not); ``--out`` writes it all as JSON. ``--settle LOAD`` waits before
+each run until the load average is under LOAD, so that no run starts in the last one's tail.
 
 Laya serves the embedded model with its own defaults, changed only by the spec's JSON: a
 ``"backend"`` key picks the backend (``--laya 'torch:{"backend": "torch"}'``), an
@@ -169,6 +172,7 @@ def embedded_model() -> str:
 def measure(server: Server, args: argparse.Namespace, log: Path) -> dict[int, dict[str, Any]]:
     """Start the server, keep ``--busy`` spinners beside it, run the benchmark, stop both.
     Each level also carries the load average just before the server started."""
+    waited = settle(args.settle, 300.0) if args.settle is not None else 0.0
     load = os.getloadavg()[0]
     proc = server.start(log)
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
@@ -185,7 +189,8 @@ def measure(server: Server, args: argparse.Namespace, log: Path) -> dict[int, di
             p.wait()
         stop(proc)
     summary = json.loads(run.stdout.strip().splitlines()[-1])
-    return {lv["concurrency"]: {**lv, "load_before": round(load, 2), "ready_s": server.ready_s}
+    return {lv["concurrency"]: {**lv, "load_before": round(load, 2), "settled_s": waited,
+                                "ready_s": server.ready_s}
             for lv in summary["levels"]}
 
 
@@ -215,11 +220,38 @@ def summarize(runs: list[dict[str, Any]], baseline: str) -> dict[str, Any]:
             "tokens_per_s": [lv["output_tokens_per_s"] for lv in levels],
             "median_tokens_per_s": statistics.median(lv["output_tokens_per_s"] for lv in levels),
             "median_ttft_p50_ms": statistics.median(lv["ttft_ms"]["p50"] or 0 for lv in levels),
+            **_decode_ratios(levels, base, baseline),
             "failed": sum(lv["failed"] for lv in levels),
             f"ratio_to_{baseline}": ratios,
             f"median_ratio_to_{baseline}": statistics.median(ratios) if ratios else None,
         }
     return out
+
+
+def _decode_ratios(levels: list[dict[str, Any]], base: dict[int, dict[str, Any]],
+                   baseline: str) -> dict[str, Any]:
+    """Decode tokens/s (after each request's first token) per round, and its ratios to the
+    baseline's same round; empty for runs that did not record it."""
+    rates = [lv.get("decode_tokens_per_s") for lv in levels]
+    if any(r is None for r in rates):
+        return {}
+    ratios = [round(lv["decode_tokens_per_s"] / base[lv["round"]]["decode_tokens_per_s"], 3)
+              for lv in levels if lv["round"] in base
+              and (base[lv["round"]].get("decode_tokens_per_s") or 0) > 0]
+    return {"decode_tokens_per_s": rates,
+            f"decode_ratio_to_{baseline}": ratios,
+            f"median_decode_ratio_to_{baseline}": statistics.median(ratios) if ratios else None}
+
+
+def settle(below: float, limit_s: float, loadavg: Any = os.getloadavg,
+           sleep: Any = time.sleep) -> float:
+    """Wait until the 1-minute load average is under ``below`` (the last run's tail decays
+    with a 1-minute time constant), at most ``limit_s``; the seconds waited."""
+    waited = 0.0
+    while loadavg()[0] >= below and waited < limit_s:
+        sleep(5.0)
+        waited += 5.0
+    return waited
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -241,6 +273,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-set", default="mixed", help="benchmark_serving.py's prompts "
                    "(copy: rewrite a file with one change, where prompt lookup helps)")
     p.add_argument("--busy", type=int, default=0, help="CPU-bound processes beside each run")
+    p.add_argument("--settle", type=float, metavar="LOAD",
+                   help="before each run, wait (up to 5 minutes) until the 1-minute load "
+                   "average is under LOAD, for measurements on a quiet machine")
     p.add_argument("--baseline", help="the server the ratios are to (default: the first)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per benchmark run")
     p.add_argument("--out", type=Path, help="write the runs and the summary as JSON here")
@@ -272,9 +307,12 @@ def main(argv: list[str] | None = None) -> int:
     for server, levels in summary.items():
         for level, s in levels.items():
             ratio = s[f"median_ratio_to_{baseline}"]
+            decode = s.get(f"median_decode_ratio_to_{baseline}")
             print(f"{server:>16} c={level}: median {s['median_tokens_per_s']:.1f} tok/s, TTFT p50 "
                   f"{s['median_ttft_p50_ms']:.0f} ms, ratio to {baseline} "
-                  f"{'-' if ratio is None else f'{ratio:.2f}'} (rounds {s[f'ratio_to_{baseline}']})")
+                  f"{'-' if ratio is None else f'{ratio:.2f}'} (rounds {s[f'ratio_to_{baseline}']})"
+                  + ("" if decode is None else f"; after the first token {decode:.2f} "
+                     f"(rounds {s[f'decode_ratio_to_{baseline}']})"))
     result = {"machine": machine(), "busy": args.busy, "rounds": runs, "summary": summary}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

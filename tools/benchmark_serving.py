@@ -6,7 +6,10 @@
 Each concurrency level is one run that keeps exactly that many streamed chat completions in
 flight until ``--requests`` have finished. Per request it measures the time to the first
 content chunk (TTFT), the gaps between content chunks (ITL), the end-to-end time and the
-output tokens (from the usage chunk when the server sends one, else one per content chunk).
+output tokens (from the usage chunk when the server sends one, else one per content chunk),
+and from those the time per output token after the first (TPOT) and the decode tokens/s, the
+part of a request that speculative decoding speeds up (several tokens can share one chunk,
+so ITL alone does not show it).
 It prints a table, writes ``OUT.json`` (every level plus the raw numbers of every request) and
 ``OUT.png`` (needs matplotlib), and prints a one-line JSON summary as its last line.
 Exit status: 0, or 1 when every request failed, or 2 for bad arguments.
@@ -61,6 +64,13 @@ class RequestResult:
     output_tokens: int = 0
     tokens_from_usage: bool = False
     prompt_tokens: int | None = None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first; None without a first token and a second."""
+        if self.ttft_s is None or self.output_tokens < 2 or self.e2e_s <= self.ttft_s:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
 
 def _v1(url: str) -> str:
@@ -221,11 +231,25 @@ def summarize(concurrency: int, results: list[RequestResult], wall_s: float) -> 
         "ttft_ms": percentiles([r.ttft_s for r in ok if r.ttft_s is not None], (50, 90, 99)),
         "itl_ms": percentiles([x for r in ok for x in r.itl_s], (50, 99)),
         "e2e_ms": percentiles([r.e2e_s for r in ok], (50, 99)),
+        # After the first token: what speculative decoding changes (the prompt's prefill is
+        # in TTFT). TPOT as vLLM's benchmark defines it, per request: (E2E - TTFT) / (tokens
+        # - 1); decode tokens/s, the same over all requests, is tokens after the first per
+        # second of those stretches.
+        "tpot_ms": percentiles([r.tpot_s for r in ok if r.tpot_s is not None], (50, 99)),
+        "decode_tokens_per_s": decode_rate(ok),
     }
 
 
+def decode_rate(results: list[RequestResult]) -> float | None:
+    """Tokens after each request's first, per second from its first token to its end; None
+    when no request had two tokens."""
+    timed = [r for r in results if r.tpot_s is not None]
+    seconds = sum(r.e2e_s - (r.ttft_s or 0.0) for r in timed)
+    return round(sum(r.output_tokens - 1 for r in timed) / seconds, 2) if seconds > 0 else None
+
+
 COLUMNS = ("conc", "ok", "fail", "tok/s", "req/s", "TTFT p50", "p90", "p99",
-           "ITL p50", "p99", "E2E p50", "p99", "errors")
+           "ITL p50", "p99", "TPOT p50", "E2E p50", "p99", "errors")
 
 
 def table_row(level: dict[str, Any]) -> str:
@@ -234,7 +258,7 @@ def table_row(level: dict[str, Any]) -> str:
     t, i, e = level["ttft_ms"], level["itl_ms"], level["e2e_ms"]
     cells = (level["concurrency"], level["ok"], level["failed"], level["output_tokens_per_s"],
              level["requests_per_s"], ms(t["p50"]), ms(t["p90"]), ms(t["p99"]), ms(i["p50"]),
-             ms(i["p99"]), ms(e["p50"]), ms(e["p99"]),
+             ms(i["p99"]), ms(level["tpot_ms"]["p50"]), ms(e["p50"]), ms(e["p99"]),
              " ".join(f"{k}={v}" for k, v in level["errors"].items()) or "-")
     return "  ".join(f"{c!s:>8}" for c in cells[:-1]) + f"  {cells[-1]}"
 

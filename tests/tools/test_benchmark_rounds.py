@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "benchmark_rounds.py"
 spec = importlib.util.spec_from_file_location("benchmark_rounds", TOOL)
 assert spec and spec.loader
@@ -32,6 +34,34 @@ def test_ratios_pair_each_round_with_the_baselines_same_round() -> None:
     assert b["median_ttft_p50_ms"] == 50
 
 
+def test_decode_rates_have_their_own_ratios() -> None:
+    def timed(tokens_per_s: float, decode: float) -> dict:
+        return {**level(tokens_per_s, 50), "decode_tokens_per_s": decode}
+
+    runs = [{"round": 1, "server": "plain", "levels": {1: timed(90.0, 100.0)}},
+            {"round": 1, "server": "ngram", "levels": {1: timed(126.0, 160.0)}},
+            {"round": 2, "server": "plain", "levels": {1: timed(72.0, 80.0)}},
+            {"round": 2, "server": "ngram", "levels": {1: timed(104.0, 124.0)}}]
+    s = rounds.summarize(runs, "plain")["ngram"]["1"]
+    assert s["ratio_to_plain"] == [1.4, 1.444]
+    assert s["decode_tokens_per_s"] == [160.0, 124.0]
+    assert s["decode_ratio_to_plain"] == [1.6, 1.55]
+    assert s["median_decode_ratio_to_plain"] == pytest.approx(1.575)
+    # Runs from before the rate was recorded get no decode entries, rather than a wrong one.
+    old = [{"round": 1, "server": "a", "levels": {1: level(1.0, 1)}}]
+    assert "decode_ratio_to_a" not in rounds.summarize(old, "a")["a"]["1"]
+
+
+def test_settle_waits_for_the_load_to_fall_and_gives_up_at_the_limit() -> None:
+    loads, naps = iter([2.0, 1.4, 0.9, 0.4]), []
+    waited = rounds.settle(0.5, 300.0, loadavg=lambda: (next(loads), 0.0, 0.0),
+                           sleep=naps.append)
+    assert (waited, naps) == (15.0, [5.0, 5.0, 5.0])
+    naps.clear()
+    assert rounds.settle(0.5, 10.0, loadavg=lambda: (3.0, 0.0, 0.0), sleep=naps.append) == 10.0
+    assert rounds.settle(5.0, 10.0) == 0.0  # this machine's own load, already under 5
+
+
 def test_two_laya_configurations_in_one_round(tmp_path: Path) -> None:
     out = tmp_path / "rounds.json"
     run = subprocess.run(
@@ -48,6 +78,7 @@ def test_two_laya_configurations_in_one_round(tmp_path: Path) -> None:
     assert result["machine"]["cpus"] >= 1 and result["machine"]["cpu"]
     assert result["rounds"][0]["levels"]["1"]["load_before"] >= 0
     assert result["rounds"][0]["levels"]["1"]["ready_s"] > 0
+    assert one["decode_tokens_per_s"][0] > 0 and len(one["decode_ratio_to_defaults"]) == 1
 
 
 def test_a_spec_splits_into_the_model_table_and_its_options(tmp_path: Path) -> None:

@@ -58,6 +58,7 @@ def test_two_levels_against_a_real_server(smollm_server: ServerProcess, tmp_path
         assert 0 < level["ttft_ms"]["p50"] <= level["ttft_ms"]["p90"] <= level["ttft_ms"]["p99"]
         assert level["itl_ms"]["p50"] > 0
         assert level["e2e_ms"]["p50"] >= level["ttft_ms"]["p50"] * 0.5
+        assert level["tpot_ms"]["p50"] > 0 and level["decode_tokens_per_s"] > 0
     saved = json.loads(Path(summary["json"]).read_text())
     assert summary["json"] == str(tmp_path / "res" / "bench.json")
     for level in saved["levels"]:
@@ -157,6 +158,20 @@ def test_a_silent_server_is_a_timeout() -> None:
 
     r = fake_request(silent, timeout_s=0.2)
     assert (r.ok, r.error) == (False, "timeout")  # not the handler's AssertionError
+
+
+def test_tpot_and_decode_rate_leave_out_the_first_token() -> None:
+    def done(tokens: int, ttft: float | None, e2e: float) -> Any:
+        return bench.RequestResult(0, 0, ok=True, ttft_s=ttft, e2e_s=e2e, output_tokens=tokens)
+
+    # 2 s to the first of 11 tokens, then 1 s for 10; 1 s to the first of 5, then 2 s for 4.
+    results = [done(11, 2.0, 3.0), done(5, 1.0, 3.0), done(1, 0.5, 0.6), done(0, None, 1.0)]
+    assert [r.tpot_s for r in results] == [0.1, 0.5, None, None]
+    level = bench.summarize(1, results, wall_s=7.6)
+    assert level["tpot_ms"] == {"p50": 300.0, "p99": 496.0}
+    assert level["decode_tokens_per_s"] == round(14 / 3, 2)  # 10 + 4 tokens in 1 + 2 s
+    assert level["output_tokens_per_s"] == round(17 / 7.6, 2)  # the first tokens count here
+    assert bench.summarize(1, results[2:], wall_s=1.0)["decode_tokens_per_s"] is None
 
 
 def test_percentiles_interpolate_and_report_ms() -> None:
