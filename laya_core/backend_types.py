@@ -64,6 +64,10 @@ class ModelConfig:
     # for each extra one at ``max_lora_rank`` (None: the largest rank of ``lora``, else 16).
     max_loras: int | None = None
     max_lora_rank: int | None = None
+    # The longest a generated token waits for the tokens after it, so that a few steps'
+    # tokens leave the engine in one hand-over (0: every step's at once). First tokens, final
+    # events and steps that feed a prompt never wait (laya_core/engine/engine.py).
+    stream_interval_ms: float = 20.0
 
     @property
     def lora_slots(self) -> int:

@@ -166,7 +166,7 @@ MODEL_KEYS = ("name", "backend", "path", "max_seq_len", "max_num_seqs", "kv_cach
               "max_queue", "queue_timeout_s", "scheduler", "cache_policy", "embeddings",
               "tool_call_format", "reasoning_format", "max_reasoning_tokens", "load",
               "idle_unload_s", "speculative", "lora", "max_loras", "max_lora_rank",
-              "options")
+              "stream_interval_ms", "options")
 SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min",
                     "prompt_lookup_max", "model", "disable_by_batch_size")
 # Speculative decoding's methods: prompt lookup (laya_core/engine/speculative.py) and a
@@ -286,6 +286,9 @@ def _model(data: Any, index: int, base_dir: Path, problems: Problems) -> ModelCo
     if max_loras is not None and max_loras < len(lora):
         t.problem("max_loras", f"must be at least the {len(lora)} adapters lora lists")
     max_lora_rank = t.int_in("max_lora_rank", 1, MAX_RANK, None)
+    stream_interval_ms = t.get("stream_interval_ms", (int, float), 20.0,
+                               check=lambda v: None if 0 <= v <= 1000 else
+                               "must be between 0 and 1000 milliseconds")
     t.finish(MODEL_KEYS)
     if name is None or path is None:
         return None
@@ -296,7 +299,8 @@ def _model(data: Any, index: int, base_dir: Path, problems: Problems) -> ModelCo
                        load or "always",
                        None if idle_unload_s is None else float(idle_unload_s),
                        reasoning_format or "auto", max_reasoning_tokens, speculative,
-                       lora, max_loras, max_lora_rank)
+                       lora, max_loras, max_lora_rank,
+                       stream_interval_ms=float(stream_interval_ms))
 
 
 def _from_dict(data: Mapping[str, Any], source: str, base_dir: Path,

@@ -32,6 +32,8 @@ def test_defaults_are_safe() -> None:
     assert config.max_num_seqs is None  # decided by the plan: 4, or what kv_cache_tokens holds
     assert config.replicas == 1 and config.kv_cache_dtype == "f16"
     assert config.tool_call_format == "auto"  # the one the chat template shows
+    assert config.stream_interval_ms == 20.0  # a token waits 20 ms at most for the next ones
+    assert parse(models=[model(stream_interval_ms=0)]).models[0].stream_interval_ms == 0.0
     assert parse(models=[model(tool_call_format="mistral")]).models[0].tool_call_format \
         == "mistral"
 
@@ -48,6 +50,8 @@ def test_defaults_are_safe() -> None:
     ([{"path": "x.gguf"}], "models[0].name", "required"),
     ([model(), model()], "models[1].name", "already the name"),
     ([model(max_num_seqs=8, max_step_tokens=4)], "models[0].max_step_tokens", "at least"),
+    ([model(stream_interval_ms=-1)], "models[0].stream_interval_ms", "between 0 and 1000"),
+    ([model(stream_interval_ms="fast")], "models[0].stream_interval_ms", "expected int or float"),
     ([], "models", "at least one"),
 ])
 def test_model_errors_name_the_key(models: list, key: str, words: str) -> None:

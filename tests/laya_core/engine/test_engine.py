@@ -160,3 +160,48 @@ def test_max_queue_zero_serves_when_room_is_free_and_refuses_when_not() -> None:
     asyncio.run(go())
     assert e.rejections["queue_full"] == 1
     e.stop()
+
+
+class CountingCourier:
+    """The running loop as the engine's courier, counting each hand-over's events."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.handovers: list[int] = []
+
+    def call_soon_threadsafe(self, callback, *args):  # type: ignore[no-untyped-def]
+        self.handovers.append(len(args[0]))
+        return self.loop.call_soon_threadsafe(callback, *args)
+
+
+def handovers(interval_ms: float, step_s: float, max_tokens: int) -> tuple[str, list[int]]:
+    """One request's text, and how many of its events each hand-over carried."""
+    e = engine(options={"step_delay_s": step_s}, stream_interval_ms=interval_ms)
+
+    async def go() -> tuple[str, list[int]]:
+        courier = CountingCourier()
+        stream = e.submit(list(b"abcdef"), SamplingParams(max_tokens=max_tokens), courier)
+        return "".join([ev.text async for ev in stream]), courier.handovers
+
+    try:
+        return asyncio.run(go())
+    finally:
+        e.stop()
+
+
+def test_decode_steps_tokens_leave_together_within_the_stream_interval() -> None:
+    text, every_step = handovers(0, 0.002, 20)
+    assert text == "abcdefabcdefabcdefab"
+    assert len(every_step) >= 20  # the admission, then each step's token on its own
+    # A long interval: the admission and the first token leave at once (TTFT), the rest
+    # with the final event, which never waits.
+    text, together = handovers(1000, 0.002, 20)
+    assert text == "abcdefabcdefabcdefab"
+    assert together == [1, 1, 19]
+
+
+def test_no_token_waits_longer_than_the_interval_allows() -> None:
+    # Steps of at least 10 ms and 30 ms to leave: a token waits for two more steps at most.
+    text, sizes = handovers(30, 0.010, 30)
+    assert text == ("abcdef" * 5)
+    assert sizes[:2] == [1, 1] and max(sizes) <= 3 and sum(sizes) == 31
