@@ -47,6 +47,8 @@ from typing import Any
 
 import httpx
 
+from laya_core.config import manifest
+
 TOOLS = Path(__file__).parent
 LAYA_MANIFEST = """
 [server]
@@ -64,9 +66,9 @@ path = {path}
 [models.options]
 {options}
 """
-# A spec's keys that belong to the model's table rather than to its options.
-MODEL_KEYS = frozenset({"max_seq_len", "max_num_seqs", "max_step_tokens", "max_queue",
-                        "kv_dtype", "replicas", "scheduler", "cache_policy", "speculative"})
+# A spec's keys that belong to the model's table rather than to its options: the
+# manifest's own (laya_core/config/manifest.py), but those the template writes itself.
+MODEL_KEYS = frozenset(manifest.MODEL_KEYS) - {"name", "backend", "path", "options"}
 LLAMA_CONFIGS = ("llama-defaults=", "llama-np8=-np 8 -c 16384")
 
 
