@@ -23,8 +23,9 @@ Replica to front end:
   (:func:`refusal_of` and :func:`refused` translate the error). A refused request has no
   events; an accepted one's first events may come before its ack (the engine thread sends
   them, the replica's event loop the ack), and they count as the ack;
-- ``("events", [(rid, TokenEvent), ...], ReplicaSnapshot)``: one message per engine step
-  with every request's events of that step, not a message per token per request;
+- ``("events", [(rid, TokenEvent), ...], ReplicaSnapshot)``: one message per engine
+  hand-over (a step, or a few decode steps within ``stream_interval_ms``) with every
+  request's events since the last, not a message per token per request;
 - ``("embedded", rid, Embeddings | None, kind, message, param)``, and for an adapter job
   ``("adapted", rid, LORA | None, kind, message, param)`` (kind None: done; LORA: the
   backend's adapters now, ``Backend.describe``'s "lora", which the front end's copy takes);
