@@ -13,7 +13,8 @@ which llama.cpp's threads can collapse. The output is one line per run, then per
 level the median over the rounds of output tokens/s and TTFT p50, and each round's ratio to
 the baseline server (``--baseline``, default the first), of output tokens/s and of decode
 tokens/s (after each request's first token, which speculative decoding changes and a
-prompt's prefill does not); ``--out`` writes it all as JSON. ``--settle LOAD`` waits before
+prompt's prefill does not; above concurrency 1, the rate one stream sees); ``--out`` writes
+it all as JSON. ``--settle LOAD`` waits before
 each run until the load average is under LOAD, so that no run starts in the last one's tail.
 
 Laya serves the embedded model with its own defaults, changed only by the spec's JSON: a

@@ -234,7 +234,8 @@ def summarize(concurrency: int, results: list[RequestResult], wall_s: float) -> 
         # After the first token: what speculative decoding changes (the prompt's prefill is
         # in TTFT). TPOT as vLLM's benchmark defines it, per request: (E2E - TTFT) / (tokens
         # - 1); decode tokens/s, the same over all requests, is tokens after the first per
-        # second of those stretches.
+        # second of those stretches: at concurrency 1 the throughput, above it the rate one
+        # stream sees (the stretches overlap).
         "tpot_ms": percentiles([r.tpot_s for r in ok if r.tpot_s is not None], (50, 99)),
         "decode_tokens_per_s": decode_rate(ok),
     }
