@@ -25,6 +25,7 @@ from laya_core.engine.draft_model import DraftModel, ModelDrafter
 from laya_core.engine.embed_jobs import EmbedCancel, Embeddings, EmbedJob
 from laya_core.engine.embed_queue import EmbedQueue
 from laya_core.engine.embedding import embed_next, queue_embed
+from laya_core.engine.handover import Outbox
 from laya_core.engine.layer_clock import (
     BACKEND,
     DELIVER,
@@ -43,7 +44,7 @@ from laya_core.engine.request import Request
 from laya_core.engine.scheduler import Scheduler
 from laya_core.engine.speculative import NgramDrafter, SpeculativeStats
 from laya_core.engine.state import EngineState, EngineUnavailableError, QueueFullError
-from laya_core.engine.stream import ADMITTED, Courier, EventSink, GenerationStream, deliver
+from laya_core.engine.stream import ADMITTED, Courier, EventSink, GenerationStream
 from laya_core.kv.policies import KVCache, KVOp
 from laya_core.logs import start_named
 from laya_core.memory.ledger import default_kv_bytes_per_token, sizes_for
@@ -89,11 +90,8 @@ class Engine:
         self._embeds: EmbedQueue | None = None
         self._adapter_jobs = AdapterJobs()
         self._live: dict[int, Live] = {}
-        # Events of this step, by the event loop that reads them; see _flush.
-        self._outbox: dict[Courier, list[tuple[EventSink, TokenEvent]]] = {}
-        self._outbox_since = 0.0  # when its oldest event was made (perf_counter s)
-        self._outbox_urgent = False  # it holds an event that leaves at the next hand-over
-        self._decode_s = 0.0  # the last decode step's model call, the next one's forecast
+        # Events since the last hand-over, by the courier that carries them; see _flush.
+        self._outbox = Outbox(config.stream_interval_ms / 1000)
         self._lock = threading.Lock()  # guards the two counters below
         self._num_queued = 0  # submitted, not yet admitted or finished
         self.rejections: dict[str, int] = {"queue_full": 0, "queue_timeout": 0}
@@ -358,42 +356,13 @@ class Engine:
             lives = [payload] if isinstance(payload, Live) else []
 
     def _emit(self, live: Live, event: TokenEvent) -> None:
-        if not self._outbox:
-            self._outbox_since = time.perf_counter()
-        if event.finish_reason is not None or not event.token_ids or \
-                len(live.seq.output_token_ids) <= len(event.token_ids):
-            self._outbox_urgent = True  # an admission, an end, an error or a first token
-        self._outbox.setdefault(live.loop, []).append((live.queue, event))
-
-    def _may_wait(self) -> bool:
-        """Whether the events gathered may wait for the coming decode step's tokens: none is
-        urgent, and the oldest would still leave within ``stream_interval_ms`` of being made.
-
-        Each hand-over wakes the threads and processes that carry it to the client (a
-        worker's sender, the front end's reader and event loop), and on a machine whose
-        cores the model's threads fill every wake-up takes its CPU from the model: at
-        concurrency 1, 1.00-1.08x the tokens/s by round and 3-9% less time per token for
-        the median request (AMD EPYC, docs/benchmarks.md). First tokens and ends never
-        wait, so TTFT and the end of a response are unchanged, and a step that feeds a
-        prompt (long) never has tokens waiting on it.
-        """
-        limit = self.config.stream_interval_ms / 1000
-        return limit > 0 and not self._outbox_urgent and \
-            time.perf_counter() - self._outbox_since + self._decode_s < limit
+        self._outbox.add(live, event)
 
     def _flush(self) -> None:
         """Hand the events gathered so far to their event loops, one wake-up per loop."""
-        if not self._outbox:
-            return
         start = now_ns()
-        outbox, self._outbox = self._outbox, {}
-        self._outbox_urgent = False
-        for loop, events in outbox.items():
-            try:
-                loop.call_soon_threadsafe(deliver, events)
-            except RuntimeError:  # the loop is closed: nobody is left to read these requests
-                pass
-        self.clock.add(DELIVER, start)
+        if self._outbox.hand_over():
+            self.clock.add(DELIVER, start)
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply queued adds and cancels; returns False once asked to stop."""
@@ -510,8 +479,8 @@ class Engine:
         # runs: the model call releases the GIL, so the event loop formats and sends them
         # while it runs instead of holding the GIL between two steps (measured at concurrency
         # 1: 0.70 ms between two decodes when sent after the step, against 0.30 without HTTP).
-        # Before a decode step they may instead wait for its tokens (``_may_wait``).
-        if layer is PREFILL or not self._may_wait():
+        # Before a decode step they may instead wait for its tokens (engine/handover.py).
+        if layer is PREFILL or not self._outbox.may_wait():
             self._flush()
         start = now_ns()
         try:
@@ -525,7 +494,7 @@ class Engine:
         stepped = start
         start = self.clock.add(layer, start)
         if layer is BACKEND:
-            self._decode_s = (start - stepped) / 1e9
+            self._outbox.decode_s = (start - stepped) / 1e9
         for c, result in zip(chunks, sampled, strict=True):
             seq = c.seq
             seq.num_computed += len(c.tokens)
