@@ -490,6 +490,7 @@ class Engine:
             for c in chunks:
                 self._finish(self._live[c.seq.seq_id], FinishReason.ERROR, "",
                              f"{type(e).__name__}: {e}")
+            self._flush()  # now, not after the idle poll when nothing else runs
             return
         stepped = start
         start = self.clock.add(layer, start)
