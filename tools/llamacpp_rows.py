@@ -26,10 +26,10 @@ TEXT = b"def f(x):\n    return x + 1\nclass A:\n    pass\n" * 60
 class Rows:
     def __init__(self, path: str, flash_attn: bool, threads: int = 2) -> None:
         import llama_cpp
-        from llama_cpp import Llama
+        from laya_backend_llamacpp.reference import reference_llama
 
         self.lib = llama_cpp
-        self.model = Llama(path, n_ctx=1024, n_batch=512, n_threads=threads, verbose=False,
+        self.model = reference_llama(path, n_ctx=1024, n_batch=512, n_threads=threads, verbose=False,
                            flash_attn=flash_attn)
         self.ctx = self.model._ctx.ctx
         self.vocab = self.model.n_vocab()

@@ -82,7 +82,7 @@ def exported(export_dir: Path) -> transformers.LlamaForCausalLM:
 @pytest.fixture(scope="module")
 def llama_cpp_logits(gguf_path: str) -> list[tuple[list[int], np.ndarray]]:
     """(token ids, llama.cpp's logits [tokens, vocab]) of each prompt; one thread, no flash."""
-    from llama_reference import reference_llama
+    from laya_backend_llamacpp.reference import reference_llama
 
     llm = reference_llama(gguf_path, n_ctx=512, n_batch=512, n_threads=1, n_threads_batch=1,
                           logits_all=True, flash_attn=False, verbose=False)

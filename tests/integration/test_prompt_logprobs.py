@@ -51,7 +51,7 @@ def reference(server: ServerProcess) -> Iterator[Reference]:
         settings = runtime(server)
         yield torch_reference(settings["dtype"], settings["quantize"])
         return
-    from llama_reference import reference_llama
+    from laya_backend_llamacpp.reference import reference_llama
 
     # The high-level API with logits for all rows, one thread (this is pytest's thread).
     llm = reference_llama(embedded_file("smollm2-135m-instruct"), n_ctx=512, n_batch=512,
