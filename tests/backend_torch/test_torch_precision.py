@@ -7,7 +7,7 @@ import pytest
 import torch
 from laya_backend_torch.checkpoint import open_checkpoint
 from laya_backend_torch.model import LlamaModel, build_batch
-from laya_backend_torch.quant import Int4Linear
+from laya_backend_torch.quant import ALIKE_ROWS, Int4Linear
 from laya_backend_torch.tokenizer import HFTokenizer, load_tokenizer
 
 from laya_core.builtin.model_paths import embedded_file
@@ -144,3 +144,22 @@ def test_q8_0_is_read_as_ggufs_own_routine_reads_it() -> None:
         stored.offset:stored.offset + stored.nbytes])
     expected = dequantize(raw.reshape(stored.shape[0], -1), stored.type).reshape(stored.shape)
     assert np.array_equal(eight_bit_floats(raw, stored.shape), expected)
+
+
+def test_the_deterministic_16_bit_products_give_each_row_its_bits_in_any_batch() -> None:
+    """A row's product is the same bits alone and among 2 to 100 rows: the deterministic path's
+    16-bit matrices run at most ALIKE_ROWS rows a call. Without that, on a Xeon with AMX, the
+    bfloat16 kernel for more than 32 rows summed otherwise, and a draft model's float16
+    target gave a seeded request other tokens beside seven others than alone."""
+    checkpoint = open_checkpoint(embedded_file("smollm2-135m-instruct"))
+    model = LlamaModel(checkpoint.config, checkpoint.tensors(), torch.bfloat16,
+                       torch.device("cpu"), max_positions=512, chunk_rows=ALIKE_ROWS)
+    layer = model.layers[0]
+    assert all(m.chunk_rows == ALIKE_ROWS for m in (layer.qkv, layer.down, model.lm_head))
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        for linear in (layer.gate_up, layer.down, model.lm_head):
+            x = torch.randn(100, linear.weight.shape[1]).to(torch.bfloat16)
+            alone = torch.cat([linear(x[i:i + 1]) for i in range(100)])
+            for rows in (2, 32, 33, 64, 100):
+                assert torch.equal(linear(x[:rows]), alone[:rows]), (linear.weight.shape, rows)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from laya_backend_torch import memory, options
+from laya_backend_torch import memory, options, quant
 from laya_core.backend import (
     Backend,
     MemoryProfile,
@@ -121,7 +121,8 @@ class TorchBackend(Backend):
                                      max_positions=max_positions,
                                      rope_freqs=getattr(checkpoint, "rope_freqs", None),
                                      attention_dtype=torch.float64 if chosen.deterministic
-                                     else torch.float32)
+                                     else torch.float32,
+                                     chunk_rows=quant.ALIKE_ROWS if chosen.deterministic else 0)
         memory.release_freed_heap()  # the load's temporaries, so the plan's weights are RSS
         torch.set_num_threads(chosen.threads)
         self._vocab = cfg.vocab_size

@@ -127,7 +127,7 @@ class LlamaModel:
     def __init__(self, config: LlamaConfig, tensors: Iterator[tuple[str, torch.Tensor]],
                  dtype: torch.dtype, device: torch.device, quantize: str = "none",
                  max_positions: int = 4096, rope_freqs: torch.Tensor | None = None,
-                 attention_dtype: torch.dtype = torch.float32) -> None:
+                 attention_dtype: torch.dtype = torch.float32, chunk_rows: int = 0) -> None:
         self.config, self.dtype, self.device = config, dtype, device
         self.attention_dtype = attention_dtype
         c = config
@@ -158,10 +158,19 @@ class LlamaModel:
         else:
             self.lm_head = head_kind.of(head, None, dtype, device)
             self.embed = Linear.of(embed, None, dtype, device)
+        if chunk_rows and dtype != torch.float32:  # the 16-bit products (quant.ALIKE_ROWS)
+            for linear in self._linears():
+                if type(linear) is Linear:
+                    linear.chunk_rows = chunk_rows
         cos, sin = cos_sin_table(c.head_dim, c.rope_theta, c.rope_scaling, max_positions,
                                  torch.float32, rope_freqs)
         self.cos, self.sin = cos.to(device), sin.to(device)
         self.kv_pool = torch.empty(0)
+
+    def _linears(self) -> list[Linear]:
+        return [self.lm_head, self.embed, *(m for layer in self.layers
+                                            for m in (layer.qkv, layer.o, layer.gate_up,
+                                                      layer.down))]
 
     def _dense(self, t: torch.Tensor) -> torch.Tensor:
         return dense(t, self.dtype, self.device)
