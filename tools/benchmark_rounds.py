@@ -162,7 +162,8 @@ def machine() -> dict[str, Any]:
                 flags = set(value.split())
     except OSError:
         pass
-    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_int8",
+              "amx_bf16")
     return {"cpu": name, "cpus": os.cpu_count(), "flags": [f for f in wanted if f in flags]}
 
 

@@ -10,7 +10,7 @@ from laya_backend_llamacpp import cpu
 XEON_SPR = """processor\t: 0
 vendor_id\t: GenuineIntel
 model name\t: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz
-flags\t\t: fpu sse sse2 avx avx2 fma avx512f avx512_vnni avx512_bf16 amx_bf16 amx_tile amx_int8
+flags\t\t: fpu sse sse2 avx avx2 fma avx512f avx512_vnni avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8
 """
 EPYC = """processor\t: 0
 model name\t: AMD EPYC
@@ -24,8 +24,8 @@ PLAIN_BUILD = "CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | AVX512 = 1 | OPENMP = 1 | R
 def test_cpuinfo_names_the_model_and_the_notable_flags() -> None:
     xeon = cpu.read_cpuinfo(XEON_SPR)
     assert xeon.model.startswith("Intel(R) Xeon(R) Platinum")
-    assert xeon.notable_flags == ["avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile",
-                                  "amx_int8", "amx_bf16"]
+    assert xeon.notable_flags == ["avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+                                  "amx_tile", "amx_int8", "amx_bf16"]
     assert "amx_int8" not in cpu.read_cpuinfo(EPYC).notable_flags
     assert cpu.read_cpuinfo("").model == "unknown CPU"
 

@@ -15,8 +15,8 @@ from laya_core.engine.threads import physical_cores  # noqa: F401 - cpu.physical
 
 # CPU flags worth naming in the start-up log and /ready, in this order (x86 names in
 # /proc/cpuinfo; other architectures simply show fewer).
-NOTABLE_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8",
-                 "amx_bf16", "neon", "sve")
+NOTABLE_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile",
+                 "amx_int8", "amx_bf16", "neon", "sve")
 
 
 @attrs.frozen
