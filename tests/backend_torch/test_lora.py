@@ -4,8 +4,9 @@ embedded model's Hugging Face export to answer as a pirate (tests/lora_adapters.
 Its logits agree with transformers + PEFT's; the same matrices with ``lora_alpha = 0`` give
 the base model's logits bit for bit; a step mixing the base model and two adapters gives
 each sequence what it gets alone; the prefix cache never hands one adapter's KV to another
-or to the base model; the memory plan counts what the backend holds; and a server started
-with ``--lora`` lists the adapter and answers as it."""
+or to the base model; with ``deterministic = true`` a row's update is the same bits in any
+batch; the memory plan counts what the backend holds; and a server started with ``--lora``
+lists the adapter and answers as it."""
 
 from __future__ import annotations
 
@@ -21,15 +22,19 @@ import pytest
 import torch
 from conftest import ServerProcess
 from laya_backend_torch.backend import TorchBackend
+from laya_backend_torch import lora as torch_lora
+from laya_backend_torch.checkpoint import open_checkpoint
 from laya_backend_torch.lora import rows_by_adapter
 from laya_backend_torch.model import build_batch
 from lora_adapters import ANSWER, cached_adapters, chat, generate, scaled
 from torch_fixtures import *  # noqa: F403 - the fixtures (torch_fixtures.py)
 from torch_fixtures import own_pool
 
+from laya_core.builtin.model_paths import embedded_file
 from laya_core.config import manifest as mf
 from laya_core.engine.engine import Engine
 from laya_core.memory.planner import make_plan
+from laya_core.models.lora import read_adapter
 from laya_core.plugins import load_registry
 from laya_core.serving.deployment import Deployment
 
@@ -291,3 +296,34 @@ max_lora_rank = 8
         assert r2.choices[0].message.content == r3.choices[0].message.content
     finally:
         assert server.stop() == 0, server.log()
+
+
+def test_deterministic_updates_are_a_rows_own_bits_in_any_batch(
+        adapters: dict[str, Path]) -> None:
+    """With ``deterministic = true`` the adapter's matrices are float64 (lora.dtype_for):
+    each row's update, cast to the model's bfloat16, is the same bits alone and among 64
+    rows (in float32 the products' last bits change with the row count, and some of the
+    cast values with them); and the plan counts the float64 matrices' bytes."""
+    cfg = open_checkpoint(embedded_file("smollm2-135m-instruct")).config
+    pirate = read_adapter(adapters["pirate"])
+    torch.manual_seed(0)
+    x = torch.randn(64, cfg.hidden_size).to(torch.bfloat16)
+
+    def rows_alike(deterministic: bool) -> bool:
+        weights = torch_lora.load("pirate", pirate, cfg, torch.device("cpu"),
+                                  torch_lora.dtype_for(deterministic))
+        groups = [(weights, None)]
+        alike = True
+        for layer in range(cfg.num_layers):
+            for key in ("qkv", "gate_up"):
+                y = torch.zeros(64, sum(torch_lora.sizes(cfg)[0][key]), dtype=torch.bfloat16)
+                together = torch_lora.apply(y, x, groups, layer, key)
+                alone = torch.cat([torch_lora.apply(y[i:i + 1], x[i:i + 1], groups, layer, key)
+                                   for i in range(64)])
+                alike = alike and torch.equal(together, alone)
+        return alike
+
+    with torch.inference_mode():
+        assert rows_alike(True)  # float32 matrices failed this (Xeon with AMX, torch 2.13)
+    held = torch_lora.load("pirate", pirate, cfg, torch.device("cpu"), torch.float64).nbytes
+    assert torch_lora.fused_bytes(pirate, cfg, 8) == held == 2 * torch_lora.fused_bytes(pirate, cfg)

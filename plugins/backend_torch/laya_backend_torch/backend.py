@@ -130,7 +130,7 @@ class TorchBackend(Backend):
         if chosen.compile:
             self._forward = torch.compile(self._model.forward, dynamic=True)
         self._samplers: dict[int, Any] = {}
-        self._load_adapters(cfg)
+        self._load_adapters(cfg, chosen.deterministic)
         self.pooling = read_shape(self.config.path).pooling or DEFAULT_POOLING
         self._runtime: dict[str, Any] = {
             "device": chosen.device, "dtype": chosen.dtype, "dtype_reason": chosen.reason,
@@ -158,16 +158,17 @@ class TorchBackend(Backend):
                         f" on {chosen.device}",
             special_tokens=tok.special_tokens)
 
-    def _load_adapters(self, cfg: Any) -> None:
+    def _load_adapters(self, cfg: Any, deterministic: bool) -> None:
         """The manifest's LoRA adapters, read, checked against the model and fused."""
         from laya_backend_torch import lora
         from laya_core.models.lora import read_adapter
 
         self._adapters: dict[str, Any] = {}
         self._seq_adapters: dict[int, Any] = {}
-        self._config = cfg
+        self._config, self._lora_dtype = cfg, lora.dtype_for(deterministic)
         for name, folder in self.config.lora.items():
-            self._adapters[name] = lora.load(name, read_adapter(folder), cfg, self._device)
+            self._adapters[name] = lora.load(name, read_adapter(folder), cfg, self._device,
+                                             self._lora_dtype)
 
     def load_adapter(self, name: str, path: str) -> None:
         from laya_backend_torch import lora
@@ -175,7 +176,8 @@ class TorchBackend(Backend):
 
         if name in self._adapters:
             raise ValueError(f"an adapter named {name!r} is loaded already")
-        self._adapters[name] = lora.load(name, read_adapter(path), self._config, self._device)
+        self._adapters[name] = lora.load(name, read_adapter(path), self._config, self._device,
+                                         self._lora_dtype)
         self._runtime["lora"][name] = {"path": path, "bytes": self._adapters[name].nbytes}
 
     def unload_adapter(self, name: str) -> None:

@@ -9,6 +9,11 @@ takes one pair of small products per adapter, for the rows of the sequences that
 
 The matrices stay in float32 whatever the compute dtype: they are small (SmolLM2-135M, rank
 8 on every module: 4.9 MB), and the update is added to the base output in its own dtype.
+With ``deterministic = true`` they are float64, as attention is there (model._attend): a
+float32 product's last bits change with the number of rows in the call (rank 8 against 576
+inputs: at every count from 2 rows on), and cast to bfloat16 such a difference still moves a
+few of a token's 180,000 updated values by a step, so a row's logits would depend on its
+batch. In float64 the differences stay far below what the cast keeps.
 """
 
 from __future__ import annotations
@@ -53,9 +58,15 @@ def sizes(c: LlamaConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
     return outs, ins
 
 
-def fused_bytes(adapter: Adapter, c: LlamaConfig) -> int:
+def dtype_for(deterministic: bool) -> torch.dtype:
+    """The adapters' matrices' dtype: float64 where a row's logits must not depend on its
+    batch (``deterministic``), else float32."""
+    return torch.float64 if deterministic else torch.float32
+
+
+def fused_bytes(adapter: Adapter, c: LlamaConfig, element: int = 4) -> int:
     """Bytes the adapter holds once fused (``load``): its A matrices, and per fused matrix
-    a B of the fused output by the stacked ranks, in float32."""
+    a B of the fused output by the stacked ranks, ``element`` bytes each."""
     outs, _ = sizes(c)
     a_elements = sum(t.shape[0] * t.shape[1] for t in adapter.tensors if t.part == "A")
     stacked: dict[tuple[int, str], int] = {}
@@ -64,18 +75,20 @@ def fused_bytes(adapter: Adapter, c: LlamaConfig) -> int:
             key = next(k for k, modules in FUSED.items() if t.module in modules)
             stacked[(t.layer, key)] = stacked.get((t.layer, key), 0) + adapter.rank
     b_elements = sum(sum(outs[key]) * ranks for (_, key), ranks in stacked.items())
-    return 4 * (a_elements + b_elements)
+    return element * (a_elements + b_elements)
 
 
-def largest_bytes(rank: int, c: LlamaConfig) -> int:
+def largest_bytes(rank: int, c: LlamaConfig, element: int = 4) -> int:
     """Bytes of the largest adapter of ``rank``: every module of every layer adapted."""
     outs, ins = sizes(c)
     per_layer = sum(len(outs[key]) * rank * (ins[key] + sum(outs[key])) for key in FUSED)
-    return 4 * c.num_layers * per_layer
+    return element * c.num_layers * per_layer
 
 
-def load(name: str, adapter: Adapter, c: LlamaConfig, device: torch.device) -> LoraWeights:
-    """The adapter's tensors read, checked against the model's sizes and fused."""
+def load(name: str, adapter: Adapter, c: LlamaConfig, device: torch.device,
+         dtype: torch.dtype = torch.float32) -> LoraWeights:
+    """The adapter's tensors read, checked against the model's sizes and fused, in
+    ``dtype`` (``dtype_for``)."""
     from safetensors.torch import load_file
 
     out_sizes, in_sizes = sizes(c)
@@ -109,7 +122,8 @@ def load(name: str, adapter: Adapter, c: LlamaConfig, device: torch.device) -> L
                                        f"{parts[j]}")
                 start = sum(parts[:j])
                 b[start:start + parts[j], col * r:(col + 1) * r] = bj * adapter.scale
-            fused[key] = (a.contiguous().to(device), b.to(device))
+            fused[key] = (a.contiguous().to(device=device, dtype=dtype),
+                          b.to(device=device, dtype=dtype))
         layers.append(fused)
     return LoraWeights(name, tuple(layers))
 

@@ -299,6 +299,9 @@ def lora_overhead(config: ModelConfig, c: Any) -> Overhead:
     from laya_backend_torch.lora import fused_bytes, largest_bytes
     from laya_core.models.lora import rank_limit, read_adapter
 
+    deterministic = config.options.get("deterministic") is True  # float64 then (lora.py)
+    element = 8 if deterministic else 4
+
     adapters = [read_adapter(folder) for folder in config.lora.values()]
     rank = rank_limit(config.max_lora_rank, [a.rank for a in adapters])
     extra = config.lora_slots - len(adapters)
@@ -308,8 +311,10 @@ def lora_overhead(config: ModelConfig, c: Any) -> Overhead:
         how.append(f"room for {extra} loaded while serving, each of rank up to {rank} on "
                    "every module")
     return Overhead("LoRA adapters",
-                    sum(fused_bytes(a, c) for a in adapters) + extra * largest_bytes(rank, c),
-                    "; ".join(how) + ": A and B matrices fused as the layers are, float32")
+                    sum(fused_bytes(a, c, element) for a in adapters)
+                    + extra * largest_bytes(rank, c, element),
+                    "; ".join(how) + ": A and B matrices fused as the layers are, "
+                    + ("float64 (deterministic)" if deterministic else "float32"))
 
 
 def as_kept(tensors: Iterator[tuple[str, Any]], dtype: Any, quantized: bool,
