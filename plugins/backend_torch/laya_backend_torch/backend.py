@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from laya_backend_torch import memory, options, quant
+from laya_backend_torch import memory, options
 from laya_core.backend import (
     Backend,
     MemoryProfile,
@@ -92,6 +92,7 @@ class TorchBackend(Backend):
 
         from laya_backend_torch.checkpoint import open_checkpoint
         from laya_backend_torch.model import LlamaModel
+        from laya_backend_torch.quant import ALIKE_ROWS
         from laya_backend_torch.tokenizer import load_tokenizer
 
         self._torch = torch
@@ -122,7 +123,7 @@ class TorchBackend(Backend):
                                      rope_freqs=getattr(checkpoint, "rope_freqs", None),
                                      attention_dtype=torch.float64 if chosen.deterministic
                                      else torch.float32,
-                                     chunk_rows=quant.ALIKE_ROWS if chosen.deterministic else 0)
+                                     chunk_rows=ALIKE_ROWS if chosen.deterministic else 0)
         memory.release_freed_heap()  # the load's temporaries, so the plan's weights are RSS
         torch.set_num_threads(chosen.threads)
         self._vocab = cfg.vocab_size
