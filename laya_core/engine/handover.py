@@ -8,7 +8,10 @@ threads fill every wake-up takes its CPU from the model: at concurrency 1, holdi
 for the next one or two made tokens/s 1.00-1.08x by round and the median request's time
 per token 3-9% less (AMD EPYC, docs/benchmarks.md). First tokens, ends, admissions and
 errors never wait, so TTFT and the end of a response are unchanged; the engine hands over
-before any step that feeds a prompt (long), and before an embedding pass.
+before any step that feeds a prompt (long), and before an embedding pass. Tokens wait for
+``HELD_STEPS`` more decode steps at most, however short the steps: a backend whose step takes
+microseconds would otherwise finish a request inside one interval, before its client saw a
+token to cancel after (the conformance suite's toy backend did: 200 tokens in one hand-over).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from laya_core.engine.progress import Live
 from laya_core.engine.stream import Courier, EventSink, deliver
 from laya_core.types import TokenEvent
 
+HELD_STEPS = 3  # decode steps a hand-over may wait for; it carries four steps' tokens at most
+
 
 class Outbox:
     """The events made since the last hand-over, by courier; used on the engine thread only."""
@@ -28,6 +33,7 @@ class Outbox:
         self._events: dict[Courier, list[tuple[EventSink, TokenEvent]]] = {}
         self._since = 0.0  # when the oldest was made (perf_counter s)
         self._urgent = False  # one of them leaves at the next hand-over
+        self._held = 0  # decode steps they have waited for
         self.decode_s = 0.0  # the last decode step's model call: the next one's forecast
 
     def add(self, live: Live, event: TokenEvent) -> None:
@@ -39,17 +45,20 @@ class Outbox:
         self._events.setdefault(live.loop, []).append((live.queue, event))
 
     def may_wait(self) -> bool:
-        """Whether the events may wait for the coming decode step's: none is urgent, and the
-        oldest would still leave within the interval after that step."""
-        return self.interval_s > 0 and not self._urgent and \
+        """Whether the events may wait for the coming decode step's: none is urgent, they
+        have waited for fewer than ``HELD_STEPS`` steps, and the oldest would still leave
+        within the interval after that step. Asked once before each decode step."""
+        wait = self.interval_s > 0 and not self._urgent and self._held < HELD_STEPS and \
             time.perf_counter() - self._since + self.decode_s < self.interval_s
+        self._held += wait
+        return wait
 
     def hand_over(self) -> bool:
         """Each courier's events in one call (``deliver`` on its side); False when none."""
         if not self._events:
             return False
         events, self._events = self._events, {}
-        self._urgent = False
+        self._urgent, self._held = False, 0
         for courier, batch in events.items():
             try:
                 courier.call_soon_threadsafe(deliver, batch)

@@ -194,10 +194,10 @@ def test_decode_steps_tokens_leave_together_within_the_stream_interval() -> None
     assert text == "abcdefabcdefabcdefab"
     assert len(every_step) >= 20  # the admission, then each step's token on its own
     # A long interval: the admission and the first token leave at once (TTFT), the rest
-    # with the final event, which never waits.
+    # four steps' tokens a hand-over (HELD_STEPS), the last with the final event.
     text, together = handovers(1000, 0.002, 20)
     assert text == "abcdefabcdefabcdefab"
-    assert together == [1, 1, 19]
+    assert together == [1, 1, 4, 4, 4, 4, 3]
 
 
 def test_no_token_waits_longer_than_the_interval_allows() -> None:
