@@ -151,20 +151,11 @@ def llama_server(binary: str, model: str, config: str, common: str = "") -> Serv
 
 def machine() -> dict[str, Any]:
     """The CPU the numbers were measured on: its model name, core count and the flags that
-    decide llama.cpp's kernels."""
-    name, flags = "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                name = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    except OSError:
-        pass
-    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_int8",
-              "amx_bf16")
-    return {"cpu": name, "cpus": os.cpu_count(), "flags": [f for f in wanted if f in flags]}
+    decide llama.cpp's kernels (the ones the llama.cpp backend names at start-up)."""
+    from laya_backend_llamacpp.cpu import read_cpuinfo
+
+    host = read_cpuinfo()
+    return {"cpu": host.model, "cpus": os.cpu_count(), "flags": host.notable_flags}
 
 
 def embedded_model() -> str:
