@@ -296,11 +296,11 @@ def memory_profile(config: ModelConfig, shape: ModelShape) -> MemoryProfile:
 
 def lora_overhead(config: ModelConfig, c: Any) -> Overhead:
     """The LoRA adapters, every one loaded with the model (laya_backend_torch/lora.py)."""
-    from laya_backend_torch.lora import fused_bytes, largest_bytes
+    from laya_backend_torch.lora import dtype_for, fused_bytes, largest_bytes
     from laya_core.models.lora import rank_limit, read_adapter
 
-    deterministic = config.options.get("deterministic") is True  # float64 then (lora.py)
-    element = 8 if deterministic else 4
+    dtype = dtype_for(config.options.get("deterministic") is True)
+    element = dtype.itemsize
 
     adapters = [read_adapter(folder) for folder in config.lora.values()]
     rank = rank_limit(config.max_lora_rank, [a.rank for a in adapters])
@@ -314,7 +314,7 @@ def lora_overhead(config: ModelConfig, c: Any) -> Overhead:
                     sum(fused_bytes(a, c, element) for a in adapters)
                     + extra * largest_bytes(rank, c, element),
                     "; ".join(how) + ": A and B matrices fused as the layers are, "
-                    + ("float64 (deterministic)" if deterministic else "float32"))
+                    + str(dtype).removeprefix("torch."))
 
 
 def as_kept(tensors: Iterator[tuple[str, Any]], dtype: Any, quantized: bool,
