@@ -97,7 +97,7 @@ def prompt_ids(engine: Engine, question: str) -> list[int]:
 def logits(engine: Engine, ids: list[int], adapter: str | None) -> torch.Tensor:
     backend = backend_of(engine)
     model = backend._model
-    weights = backend._adapters[adapter] if adapter else None
+    weights = backend._adapters.loaded[adapter] if adapter else None
     lora = rows_by_adapter([weights], [len(ids)], "cpu") if weights else ()
     with own_pool(model), torch.inference_mode():
         batch = build_batch([(ids, 0, list(range(-(-len(ids) // 16))))],
@@ -213,7 +213,7 @@ def test_room_for_adapters_loaded_while_serving_is_planned(adapters: dict[str, P
     (line,) = [o for o in make_plan(mf.resolve(mf.from_dict(data), registry),
                                     registry).replicas[0].profile.overheads
                if o.name == "LoRA adapters"]
-    assert line.bytes == 2 * backend_of(engine)._adapters["pirate"].nbytes
+    assert line.bytes == 2 * backend_of(engine)._adapters.loaded["pirate"].nbytes
     assert "room for 2 loaded while serving" in line.how
 
 

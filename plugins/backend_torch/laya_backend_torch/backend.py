@@ -91,6 +91,7 @@ class TorchBackend(Backend):
         import torch
 
         from laya_backend_torch.checkpoint import open_checkpoint
+        from laya_backend_torch.lora import Adapters
         from laya_backend_torch.model import LlamaModel
         from laya_backend_torch.quant import ALIKE_ROWS
         from laya_backend_torch.tokenizer import load_tokenizer
@@ -131,7 +132,9 @@ class TorchBackend(Backend):
         if chosen.compile:
             self._forward = torch.compile(self._model.forward, dynamic=True)
         self._samplers: dict[int, Any] = {}
-        self._load_adapters(cfg, chosen.deterministic)
+        self._adapters = Adapters(cfg, self._device, chosen.deterministic)
+        for name, folder in self.config.lora.items():
+            self._adapters.load(name, str(folder))
         self.pooling = read_shape(self.config.path).pooling or DEFAULT_POOLING
         self._runtime: dict[str, Any] = {
             "device": chosen.device, "dtype": chosen.dtype, "dtype_reason": chosen.reason,
@@ -146,7 +149,7 @@ class TorchBackend(Backend):
             "embedding_pooling": self.pooling,
             "batch_invariant": chosen.device == "cpu" and chosen.deterministic
             and (chosen.dtype != "float32" or chosen.quantize != "none"),
-            "lora": {name: {"path": str(w_path), "bytes": self._adapters[name].nbytes}
+            "lora": {name: {"path": str(w_path), "bytes": self._adapters.loaded[name].nbytes}
                      for name, w_path in self.config.lora.items()},
         }
         info = tok.info
@@ -159,32 +162,12 @@ class TorchBackend(Backend):
                         f" on {chosen.device}",
             special_tokens=tok.special_tokens)
 
-    def _load_adapters(self, cfg: Any, deterministic: bool) -> None:
-        """The manifest's LoRA adapters, read, checked against the model and fused."""
-        from laya_backend_torch import lora
-        from laya_core.models.lora import read_adapter
-
-        self._adapters: dict[str, Any] = {}
-        self._seq_adapters: dict[int, Any] = {}
-        self._config, self._lora_dtype = cfg, lora.dtype_for(deterministic)
-        for name, folder in self.config.lora.items():
-            self._adapters[name] = lora.load(name, read_adapter(folder), cfg, self._device,
-                                             self._lora_dtype)
-
     def load_adapter(self, name: str, path: str) -> None:
-        from laya_backend_torch import lora
-        from laya_core.models.lora import read_adapter
-
-        if name in self._adapters:
-            raise ValueError(f"an adapter named {name!r} is loaded already")
-        self._adapters[name] = lora.load(name, read_adapter(path), self._config, self._device,
-                                         self._lora_dtype)
-        self._runtime["lora"][name] = {"path": path, "bytes": self._adapters[name].nbytes}
+        weights = self._adapters.load(name, path)
+        self._runtime["lora"][name] = {"path": path, "bytes": weights.nbytes}
 
     def unload_adapter(self, name: str) -> None:
-        if any(w.name == name for w in self._seq_adapters.values()):
-            raise ValueError(f"adapter {name!r} is in use")  # (the engine waits for that)
-        self._adapters.pop(name, None)
+        self._adapters.unload(name)
         self._runtime["lora"].pop(name, None)
 
     def allocate_kv(self, *, num_tokens: int, max_num_seqs: int) -> None:
@@ -285,14 +268,12 @@ class TorchBackend(Backend):
         from laya_backend_torch.sampling import SequenceSampler
 
         if params.lora is not None:
-            if params.lora not in self._adapters:
-                raise ValueError(f"no LoRA adapter {params.lora!r} is loaded")
-            self._seq_adapters[seq_id] = self._adapters[params.lora]
+            self._adapters.start(seq_id, params.lora)
         self._samplers[seq_id] = SequenceSampler(params, self._vocab, self._device)
 
     def free_sequence(self, seq_id: int) -> None:
         self._samplers.pop(seq_id, None)
-        self._seq_adapters.pop(seq_id, None)
+        self._adapters.free(seq_id)
 
     def step(self, items: Sequence[StepItem]) -> list[StepResult]:
         from laya_backend_torch.model import build_batch
@@ -316,12 +297,8 @@ class TorchBackend(Backend):
             first += len(item.tokens)
         batch = build_batch(((list(it.tokens), it.start_pos, list(it.block_table))
                              for it in items), rows, self._block_size).to(self._device)
-        lora_rows: Any = ()
-        if self._seq_adapters:
-            from laya_backend_torch.lora import rows_by_adapter
-
-            lora_rows = rows_by_adapter([self._seq_adapters.get(it.seq_id) for it in items],
-                                        [len(it.tokens) for it in items], self._device)
+        lora_rows = self._adapters.rows([it.seq_id for it in items],
+                                        [len(it.tokens) for it in items])
         with torch.inference_mode():
             logits = self._run(batch, lora_rows)
             scores = {i: self._score(logits[at:at + len(items[i].score_targets)],

@@ -25,7 +25,7 @@ import attrs
 import torch
 
 from laya_backend_torch.checkpoint import LlamaConfig
-from laya_core.models.lora import Adapter, AdapterError
+from laya_core.models.lora import Adapter, AdapterError, read_adapter
 
 # The model's fused matrices and the modules each stacks, in output order.
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
@@ -158,5 +158,36 @@ def rows_by_adapter(adapters: Sequence[LoraWeights | None], lengths: Sequence[in
             for w, r in rows.values()]
 
 
-def describe(weights: dict[str, LoraWeights]) -> dict[str, Any]:
-    return {name: {"bytes": w.nbytes} for name, w in weights.items()}
+class Adapters:
+    """A backend's loaded adapters, by name, and the adapter each sequence uses."""
+
+    def __init__(self, c: LlamaConfig, device: torch.device, deterministic: bool) -> None:
+        self.config, self.device, self.dtype = c, device, dtype_for(deterministic)
+        self.loaded: dict[str, LoraWeights] = {}
+        self._by_seq: dict[int, LoraWeights] = {}
+
+    def load(self, name: str, path: str) -> LoraWeights:
+        """Read, check and fuse the adapter at ``path`` (``load``) under ``name``."""
+        if name in self.loaded:
+            raise ValueError(f"an adapter named {name!r} is loaded already")
+        self.loaded[name] = load(name, read_adapter(path), self.config, self.device, self.dtype)
+        return self.loaded[name]
+
+    def unload(self, name: str) -> None:
+        if any(w.name == name for w in self._by_seq.values()):
+            raise ValueError(f"adapter {name!r} is in use")  # (the engine waits for that)
+        self.loaded.pop(name, None)
+
+    def start(self, seq_id: int, name: str) -> None:
+        if name not in self.loaded:
+            raise ValueError(f"no LoRA adapter {name!r} is loaded")
+        self._by_seq[seq_id] = self.loaded[name]
+
+    def free(self, seq_id: int) -> None:
+        self._by_seq.pop(seq_id, None)
+
+    def rows(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> LoraRows:
+        """The step's rows by adapter (``rows_by_adapter``); none while no sequence uses one."""
+        if not self._by_seq:
+            return ()
+        return rows_by_adapter([self._by_seq.get(s) for s in seq_ids], lengths, self.device)
