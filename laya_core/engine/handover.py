@@ -12,15 +12,25 @@ before any step that feeds a prompt (long), and before an embedding pass. Tokens
 ``HELD_STEPS`` more decode steps at most, however short the steps: a backend whose step takes
 microseconds would otherwise finish a request inside one interval, before its client saw a
 token to cancel after (the conformance suite's toy backend did: 200 tokens in one hand-over).
+
+A request's tokens held together leave as one event (:func:`joined`): its text, token ids
+and samples in order, as a speculative step's several tokens do. They reach the client in
+one burst either way; as one event they cost the worker's pickle, the front end's queue, its
+generator, its JSON and its socket write once, not once per token (vLLM's ``stream_interval``
+makes one chunk of the tokens it holds the same way). With ``stream_interval_ms = 0`` nothing
+is held and every token is an event of its own; so is each token of a sequence with a
+constraint, whose reasoning budget the HTTP side counts in its stream's tokens.
 """
 
 from __future__ import annotations
 
 import time
 
+import attrs
+
 from laya_core.engine.progress import Live
 from laya_core.engine.stream import Courier, EventSink, deliver
-from laya_core.types import TokenEvent
+from laya_core.types import FinishReason, TokenEvent
 
 HELD_STEPS = 3  # decode steps a hand-over may wait for; it carries four steps' tokens at most
 
@@ -31,6 +41,8 @@ class Outbox:
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s  # the longest a token may wait; 0: never
         self._events: dict[Courier, list[tuple[EventSink, TokenEvent]]] = {}
+        # Each request's last event in its courier's list, by its sink: (list, index).
+        self._last: dict[EventSink, tuple[list[tuple[EventSink, TokenEvent]], int]] = {}
         self._since = 0.0  # when the oldest was made (perf_counter s)
         self._urgent = False  # one of them leaves at the next hand-over
         self._held = 0  # decode steps they have waited for
@@ -42,7 +54,18 @@ class Outbox:
         if event.finish_reason is not None or not event.token_ids or \
                 len(live.seq.output_token_ids) <= len(event.token_ids):
             self._urgent = True  # an admission, an end, an error or a first token
-        self._events.setdefault(live.loop, []).append((live.queue, event))
+        held = self._last.get(live.queue)
+        # A constrained sequence's events stay a token's each: a reasoning budget ends at a
+        # token, and the HTTP side finds that token by counting its stream's tokens.
+        if held is not None and live.seq.constraint is None:
+            batch, i = held
+            merged = joined(batch[i][1], event)
+            if merged is not None:
+                batch[i] = (live.queue, merged)
+                return
+        batch = self._events.setdefault(live.loop, [])
+        self._last[live.queue] = (batch, len(batch))
+        batch.append((live.queue, event))
 
     def may_wait(self) -> bool:
         """Whether the events may wait for the coming decode step's: none is urgent, they
@@ -58,6 +81,7 @@ class Outbox:
         if not self._events:
             return False
         events, self._events = self._events, {}
+        self._last.clear()
         self._urgent, self._held = False, 0
         for courier, batch in events.items():
             try:
@@ -65,3 +89,16 @@ class Outbox:
             except RuntimeError:  # the loop is closed: nobody is left to read these requests
                 pass
         return True
+
+
+def joined(held: TokenEvent, event: TokenEvent) -> TokenEvent | None:
+    """``held`` and then ``event``, one request's, as one event; None where they must stay
+    apart: ``held`` is no plain token event (an admission, an end), or ``event`` is an
+    admission or an error (the tokens before an error are content; the error is not)."""
+    if held.finish_reason is not None or held.admitted or not held.token_ids or \
+            event.admitted or event.finish_reason is FinishReason.ERROR or event.error:
+        return None
+    return attrs.evolve(event, text=held.text + event.text,
+                        token_ids=held.token_ids + event.token_ids,
+                        samples=held.samples + event.samples,
+                        prompt_logprobs=held.prompt_logprobs or event.prompt_logprobs)

@@ -16,7 +16,8 @@ def test_it_serves_every_token_and_charges_each_layer() -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["engine"] == "process"
-    assert result["tokens"] == 1200 and result["chunks"] == 1200  # one SSE chunk a token
+    # Every token arrives; those the engine held for the next steps' share their chunk.
+    assert result["tokens"] == 1200 and 0 < result["chunks"] < 1200
     # /proc counts CPU time in ticks of 10 ms: enough tokens that the server spends some
     assert result["server_cpu_us_per_token"] > 0 and result["wall_us_per_token"] > 0
     layers = result["layers_us_per_token"]

@@ -163,25 +163,29 @@ def test_max_queue_zero_serves_when_room_is_free_and_refuses_when_not() -> None:
 
 
 class CountingCourier:
-    """The running loop as the engine's courier, counting each hand-over's events."""
+    """The running loop as the engine's courier, counting each hand-over's events and the
+    tokens they carry."""
 
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.handovers: list[int] = []
+        self.events: list[int] = []
+        self.tokens: list[int] = []
 
     def call_soon_threadsafe(self, callback, *args):  # type: ignore[no-untyped-def]
-        self.handovers.append(len(args[0]))
+        self.events.append(len(args[0]))
+        self.tokens.append(sum(len(event.token_ids) for _, event in args[0]))
         return self.loop.call_soon_threadsafe(callback, *args)
 
 
-def handovers(interval_ms: float, step_s: float, max_tokens: int) -> tuple[str, list[int]]:
-    """One request's text, and how many of its events each hand-over carried."""
+def handovers(interval_ms: float, step_s: float,
+              max_tokens: int) -> tuple[list[str], list[int], list[int]]:
+    """One request's events' texts, and how many events and tokens each hand-over carried."""
     e = engine(options={"step_delay_s": step_s}, stream_interval_ms=interval_ms)
 
-    async def go() -> tuple[str, list[int]]:
+    async def go() -> tuple[list[str], list[int], list[int]]:
         courier = CountingCourier()
         stream = e.submit(list(b"abcdef"), SamplingParams(max_tokens=max_tokens), courier)
-        return "".join([ev.text async for ev in stream]), courier.handovers
+        return [ev.text async for ev in stream], courier.events, courier.tokens
 
     try:
         return asyncio.run(go())
@@ -190,18 +194,22 @@ def handovers(interval_ms: float, step_s: float, max_tokens: int) -> tuple[str, 
 
 
 def test_decode_steps_tokens_leave_together_within_the_stream_interval() -> None:
-    text, every_step = handovers(0, 0.002, 20)
-    assert text == "abcdefabcdefabcdefab"
-    assert len(every_step) >= 20  # the admission, then each step's token on its own
+    texts, events, tokens = handovers(0, 0.002, 20)
+    assert "".join(texts) == "abcdefabcdefabcdefab"
+    assert len(texts) == 20  # each step's token an event of its own
+    assert len(events) >= 20 and set(events) == {1}  # the admission, then each token
     # A long interval: the admission and the first token leave at once (TTFT), the rest
-    # four steps' tokens a hand-over (HELD_STEPS), the last with the final event.
-    text, together = handovers(1000, 0.002, 20)
-    assert text == "abcdefabcdefabcdefab"
-    assert together == [1, 1, 4, 4, 4, 4, 3]
+    # four steps' tokens a hand-over (HELD_STEPS), the last with the final event, and a
+    # hand-over's tokens are one event.
+    texts, events, tokens = handovers(1000, 0.002, 20)
+    assert texts == ["a", "bcde", "fabc", "defa", "bcde", "fab"]
+    assert events == [1, 1, 1, 1, 1, 1, 1]
+    assert tokens == [0, 1, 4, 4, 4, 4, 3]
 
 
 def test_no_token_waits_longer_than_the_interval_allows() -> None:
     # Steps of at least 10 ms and 30 ms to leave: a token waits for two more steps at most.
-    text, sizes = handovers(30, 0.010, 30)
-    assert text == ("abcdef" * 5)
-    assert sizes[:2] == [1, 1] and max(sizes) <= 3 and sum(sizes) == 31
+    texts, events, tokens = handovers(30, 0.010, 30)
+    assert "".join(texts) == ("abcdef" * 5)
+    assert tokens[:2] == [0, 1] and max(tokens) <= 3 and sum(tokens) == 30
+    assert set(events) == {1}
