@@ -74,6 +74,15 @@ class SpeculativeConfig:
     model: str | None = None  # method "draft": the draft model's path (laya_core/engine/draft_model.py)
     # No drafts in a step that runs more sequences than this (None: drafts at any batch size).
     disable_by_batch_size: int | None = None
+    # The default of a manifest without ``speculative``: prompt lookup only where drafts
+    # change nothing in the output (the replica's rows are exact: ``batch_invariant``) and
+    # for requests without an adapter; off elsewhere.
+    auto: bool = False
+
+
+# A model's speculative decoding when its manifest entry says nothing: prompt lookup of up to
+# four tokens while a step runs at most two sequences (spec/manifest.md, docs/benchmarks.md).
+AUTO_SPECULATIVE = SpeculativeConfig(disable_by_batch_size=2, auto=True)
 
 
 class FinishReason(enum.Enum):

@@ -42,7 +42,7 @@ from laya_core.replica.worker_link import DEFAULT_SILENCE_S
 from laya_core.routing.router import POLICIES
 from laya_core.structured.reasoning import REASONING_FORMATS
 from laya_core.structured.tool_formats import FORMATS as TOOL_FORMATS
-from laya_core.types import SpeculativeConfig
+from laya_core.types import AUTO_SPECULATIVE, SpeculativeConfig
 
 __all__ = ["AUTO_BACKEND", "CLUSTER_KEYS", "EMBEDDED_MODEL", "ENGINE_KINDS",
            "MEMORY_KEYS", "MODEL_KEYS", "ROUTER_KEYS", "SERVER_KEYS", "TOP_KEYS",
@@ -184,7 +184,7 @@ def _name_problem(v: str) -> str | None:
 
 def _speculative(data: Any, where: str, base_dir: Path,
                  problems: Problems) -> SpeculativeConfig:
-    """A model's ``speculative`` table (absent: off)."""
+    """A model's ``speculative`` table (absent: :data:`AUTO_SPECULATIVE`; false: off)."""
     t = Table(data, where, problems)
     method = t.get("method", str, "ngram", check=lambda v: None if v in SPECULATIVE_METHODS
                    else 'must be "ngram" (prompt lookup) or "draft" (a draft model)')
@@ -278,9 +278,14 @@ def _model(data: Any, index: int, base_dir: Path, problems: Problems) -> ModelCo
     if idle_unload_s is not None and load != "on_demand":
         t.problem("idle_unload_s", 'applies to models loaded on demand: set load = '
                   '"on_demand" too, or remove it (a model loaded always stays loaded)')
-    raw_speculative = t.get("speculative", dict, None)
-    speculative = None if raw_speculative is None else \
-        _speculative(raw_speculative, t.key("speculative"), base_dir, problems)
+    raw_speculative = t.get("speculative", (dict, bool), None)
+    speculative: SpeculativeConfig | None = AUTO_SPECULATIVE  # absent: where it is exact
+    if raw_speculative is False:
+        speculative = None
+    elif raw_speculative is True:
+        speculative = SpeculativeConfig()
+    elif raw_speculative is not None:
+        speculative = _speculative(raw_speculative, t.key("speculative"), base_dir, problems)
     lora = _lora(t.get("lora", dict, {}), t.key("lora"), base_dir, problems)
     max_loras = t.int_in("max_loras", 0, 64, None)
     if max_loras is not None and max_loras < len(lora):

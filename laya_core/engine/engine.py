@@ -49,7 +49,14 @@ from laya_core.kv.policies import KVCache, KVOp
 from laya_core.logs import start_named
 from laya_core.memory.ledger import default_kv_bytes_per_token, sizes_for
 from laya_core.models.tokenizer import Tokenizer
-from laya_core.types import FinishReason, Sample, SamplingParams, TokenEvent, Usage
+from laya_core.types import (
+    FinishReason,
+    Sample,
+    SamplingParams,
+    SpeculativeConfig,
+    TokenEvent,
+    Usage,
+)
 
 log = logging.getLogger(__name__)
 _IDLE_POLL_S = 0.5
@@ -105,6 +112,9 @@ class Engine:
         self.embed_passes = 0  # the backend's embed_step calls
         self.speculative = SpeculativeStats()  # drafts checked and tokens kept
         self._draft: DraftModel | None = None  # speculative method "draft": its model
+        # The speculative decoding its requests get, once loaded: the config's, but the
+        # default's (``auto``) only where the backend's rows are exact.
+        self._speculative: SpeculativeConfig | None = None
         # Where the engine thread's time goes, layer by layer (laya_core/engine/layer_clock.py);
         # a worker process adds its step messages' time.
         self.clock = LayerClock()
@@ -160,7 +170,9 @@ class Engine:
         assert self.tokenizer is not None
         seq = Request(next(self._ids), list(prompt_token_ids), params, constraint=constraint,
                       min_last_chunk=self.backend.min_last_prompt_chunk)
-        spec = self.config.speculative
+        spec = self._speculative
+        if spec is not None and spec.auto and params.lora is not None:
+            spec = None  # an adapter's several-row products are not a decode's (auto: exact)
         # Drafts are checked row by row with the sequence's own sampler, each row under its
         # constraint's mask where it has one: a constraint that cannot look ahead of the
         # tokens kept (a plain callable) leaves its sequence decoding without drafts.
@@ -253,9 +265,14 @@ class Engine:
         if self.info is None:
             return {}
         try:
-            return self.backend.describe()
+            described = dict(self.backend.describe())
         except Exception as e:  # noqa: BLE001 - a report must not break /ready
             return {"describe_error": f"{type(e).__name__}: {e}"}
+        if self.state is not EngineState.LOADING:  # the drafts its requests get (_load)
+            spec = self._speculative
+            described["speculative"] = "off" if spec is None else spec.method + (
+                " (default: rows are exact)" if spec.auto else "")
+        return described
 
     @property
     def kv_usage(self) -> float:
@@ -280,6 +297,9 @@ class Engine:
         self._embeds = EmbedQueue(self.max_seq_len, self.backend.max_embed_inputs,
                                   self.backend.embeds_in_chunks, self._dequeued)
         spec = self.config.speculative
+        if spec is not None and spec.auto and not self.runtime().get("batch_invariant"):
+            spec = None  # drafts could change the output here: the default leaves them off
+        self._speculative = spec
         if spec is not None and spec.method == "draft":  # laya_core/engine/draft_model.py
             tokens = self.tokenizer
             self._draft = draft_model.load(sizes, type(self.backend), [

@@ -73,6 +73,8 @@ def start(kind: str, speculative: bool) -> tuple[Deployment, Engine]:
                                 "model": "embedded:smollm2-135m-instruct"}
     elif speculative:
         model["speculative"] = {"method": "ngram", "num_speculative_tokens": 4}
+    else:
+        model["speculative"] = False  # absent, the default would draft where rows are exact
     d = Deployment(mf.resolve(mf.from_dict({"models": [model]}), registry), registry)
     d.start()
     assert d.wait_ready(300), d.engines[0].error
@@ -362,3 +364,24 @@ def test_served_drafts_show_in_the_timing_metrics_and_live_page(tmp_path) -> Non
             "response_format": listed}).json()["choices"][0]
         if answer["finish_reason"] == "stop":
             assert all(isinstance(x, str) for x in json.loads(answer["message"]["content"]))
+
+
+@pytest.mark.parametrize(("backend", "drafts"), [("llamacpp", True), ("torch", False)])
+def test_the_default_drafts_only_where_drafts_change_nothing(backend: str, drafts: bool) -> None:
+    """Without a ``speculative`` key a model gets prompt lookup where its replica says its
+    rows are exact (llama.cpp on the embedded model, flash attention off as by default), and
+    none where they are not (torch without ``deterministic``); an adapter's requests and
+    steps of more than two sequences draft nothing either (spec/manifest.md)."""
+    registry = load_registry()
+    model = {"name": "smollm2", "path": "embedded:smollm2-135m-instruct", "backend": backend,
+             "max_seq_len": 1024, "max_num_seqs": 4}
+    d = Deployment(mf.resolve(mf.from_dict({"models": [model]}), registry), registry)
+    d.start()
+    try:
+        assert d.wait_ready(300), d.engines[0].error
+        e = d.engines[0]
+        assert bool(e.runtime().get("batch_invariant")) is drafts
+        run(e, GREEDY[:1], PROMPTS[2:3])  # a copy
+        assert (e.speculative.num_drafts > 0) is drafts
+    finally:
+        d.stop()

@@ -85,15 +85,15 @@ def test_serve_refuses_with_numbers_and_settings_that_fit(tmp_path: Path) -> Non
     # 1.2 GiB for the model, 64 MiB for the chat-template sandbox the runtime counts,
     # 30 MiB for the logits of scored prompt rows, 236 MiB of saved KV (a quarter of the
     # 43,008-token pool the suggestions below keep), 237 MiB for structured output's
-    # grammars (the index, the cache, one compile and the compile child), a compute buffer
-    # with flash attention off, and under laya serve the worker process and the front end's
-    # tokenizer.
+    # grammars (the index, the cache, one compile and the compile child), 29 MiB for prompt
+    # lookup's n-gram index (the default's), a compute buffer with flash attention off, and
+    # under laya serve the worker process and the front end's tokenizer.
     out = laya("serve", str(smol_manifest(tmp_path, "1940MiB", "max_num_seqs = 8\n")))
     assert out.returncode == 1
     assert "refusing to start" in out.stderr and "DOES NOT FIT" in out.stderr
     assert "1.41 GiB" in out.stderr  # the KV pool: 8 x 8192 x 22.5 KiB
-    assert "models[0].max_seq_len = 5376" in out.stderr
-    assert "models[0].max_num_seqs = 5" in out.stderr
+    assert "models[0].max_seq_len = 5120" in out.stderr
+    assert "models[0].max_num_seqs = 4" in out.stderr
     assert 'models[0].kv_cache_dtype = "q8_0"' in out.stderr
 
 

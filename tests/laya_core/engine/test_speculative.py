@@ -15,7 +15,7 @@ from laya_core.config import manifest as mf
 from laya_core.config.table import ManifestError
 from laya_core.engine.speculative import MAX_PAUSE, NgramDrafter, SpeculativeConfig
 from laya_core.plugins import load_registry
-from laya_core.types import SamplingParams
+from laya_core.types import AUTO_SPECULATIVE, SamplingParams
 
 
 def test_the_draft_follows_the_latest_earlier_occurrence_of_the_longest_ngram() -> None:
@@ -141,8 +141,14 @@ def test_the_manifest_table() -> None:
     assert m.models[0].speculative == SpeculativeConfig("ngram", 6, 2, 5)
     m = mf.from_dict(_model(disable_by_batch_size=2))
     assert m.models[0].speculative == SpeculativeConfig(disable_by_batch_size=2)
+    # Absent: prompt lookup where it changes nothing (the engine decides once loaded);
+    # false: off; true: prompt lookup's defaults everywhere.
     assert mf.from_dict({"models": [{"name": "m", "path": "/x.gguf"}]}).models[0] \
-        .speculative is None
+        .speculative == AUTO_SPECULATIVE == SpeculativeConfig(disable_by_batch_size=2, auto=True)
+    off = {"models": [{"name": "m", "path": "/x.gguf", "speculative": False}]}
+    assert mf.from_dict(off).models[0].speculative is None
+    on = {"models": [{"name": "m", "path": "/x.gguf", "speculative": True}]}
+    assert mf.from_dict(on).models[0].speculative == SpeculativeConfig()
 
 
 @pytest.mark.parametrize(("table", "key", "says"), [
@@ -156,10 +162,13 @@ def test_the_manifest_table() -> None:
     ({"disable_by_batch_size": 0}, "models[0].speculative.disable_by_batch_size", "between"),
     ({"disable_by_batch_size": "4"}, "models[0].speculative.disable_by_batch_size",
      "expected int"),
+    ("ngram", "models[0].speculative", "expected dict or bool"),
 ])
-def test_a_bad_table_names_its_key(table: dict[str, object], key: str, says: str) -> None:
+def test_a_bad_table_names_its_key(table: object, key: str, says: str) -> None:
+    data = _model(**table) if isinstance(table, dict) else \
+        {"models": [{"name": "m", "path": "/x.gguf", "speculative": table}]}
     with pytest.raises(ManifestError) as e:
-        mf.from_dict(_model(**table))
+        mf.from_dict(data)
     assert key in str(e.value) and says in str(e.value)
 
 
@@ -220,7 +229,7 @@ def test_the_plan_holds_the_draft_models_weights_and_kv() -> None:
 
     registry = load_registry()
     model = {"name": "m", "backend": "llamacpp", "path": "embedded:smollm2-135m-instruct",
-             "max_seq_len": 512, "max_num_seqs": 2}
+             "max_seq_len": 512, "max_num_seqs": 2, "speculative": False}
     plans = [make_plan(mf.resolve(mf.from_dict({"models": [m]}), registry), registry)
              .replicas[0] for m in (model, {**model, "speculative": {
                  "method": "draft", "model": "embedded:smollm2-135m-instruct"}})]
@@ -243,13 +252,14 @@ def test_the_plan_counts_check_rows_only_for_the_steps_that_draft() -> None:
     logits a step may sample are the larger of one row per sequence and their rows."""
     from laya_core.memory.ledger import sampled_rows_per_step
 
-    def rows(seqs: int, **spec: object) -> int:
+    def rows(seqs: int, off: bool = False, **spec: object) -> int:
         model = {"name": "m", "path": "/x.gguf", "max_num_seqs": seqs, "max_step_tokens": 256}
-        if spec:
-            model["speculative"] = spec
+        if spec or off:
+            model["speculative"] = spec or False
         return sampled_rows_per_step(mf.from_dict({"models": [model]}).models[0])
 
-    assert rows(8) == 8 and rows(8, method="ngram") == 40  # 8 sequences x (1 + 4)
+    assert rows(8, off=True) == 8 and rows(8, method="ngram") == 40  # 8 sequences x (1 + 4)
+    assert rows(8) == 10  # the default: steps of two sequences draft (2 x 5 rows)
     assert rows(8, method="ngram", disable_by_batch_size=1) == 8  # one drafts: 5 rows
     assert rows(2, method="ngram", disable_by_batch_size=1) == 5
     assert rows(8, method="ngram", disable_by_batch_size=4) == 20
