@@ -105,13 +105,13 @@ def resolve_model(m: ModelConfig, i: int, registry: Any, need_backends: bool,
     if backend and m.embeddings and not backend.obj.supports_embeddings:
         problems.add(f"models[{i}].embeddings",
                      f"the {m.backend} backend cannot compute embeddings; remove the key")
-    if backend and m.speculative is not None and m.speculative.auto and \
-            not backend.obj.supports_speculative:
-        m = attrs.evolve(m, speculative=None)  # the default asks nothing of a backend
     if backend and m.speculative is not None and not backend.obj.supports_speculative:
-        problems.add(f"models[{i}].speculative",
-                     f"the {m.backend} backend does not verify drafts (speculative "
-                     "decoding); remove the key")
+        if m.speculative.auto:  # the default asks nothing of a backend
+            m = attrs.evolve(m, speculative=None)
+        else:
+            problems.add(f"models[{i}].speculative",
+                         f"the {m.backend} backend does not verify drafts (speculative "
+                         "decoding); remove the key")
     lora_keys = [k for k in ("lora", "max_loras") if getattr(m, k)]
     if backend and lora_keys and not backend.obj.supports_lora:
         problems.add(f"models[{i}].{lora_keys[0]}", f"the {m.backend} backend does not "

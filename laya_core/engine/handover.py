@@ -41,8 +41,8 @@ class Outbox:
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s  # the longest a token may wait; 0: never
         self._events: dict[Courier, list[tuple[EventSink, TokenEvent]]] = {}
-        # Each request's last event in its courier's list, by its sink: (list, index).
-        self._last: dict[EventSink, tuple[list[tuple[EventSink, TokenEvent]], int]] = {}
+        # Where each request's last event stands in its courier's list, by its sink.
+        self._last: dict[EventSink, int] = {}
         self._since = 0.0  # when the oldest was made (perf_counter s)
         self._urgent = False  # one of them leaves at the next hand-over
         self._held = 0  # decode steps they have waited for
@@ -54,17 +54,16 @@ class Outbox:
         if event.finish_reason is not None or not event.token_ids or \
                 len(live.seq.output_token_ids) <= len(event.token_ids):
             self._urgent = True  # an admission, an end, an error or a first token
-        held = self._last.get(live.queue)
+        batch = self._events.setdefault(live.loop, [])
+        i = self._last.get(live.queue)
         # A constrained sequence's events stay a token's each: a reasoning budget ends at a
         # token, and the HTTP side finds that token by counting its stream's tokens.
-        if held is not None and live.seq.constraint is None:
-            batch, i = held
+        if i is not None and live.seq.constraint is None:
             merged = joined(batch[i][1], event)
             if merged is not None:
                 batch[i] = (live.queue, merged)
                 return
-        batch = self._events.setdefault(live.loop, [])
-        self._last[live.queue] = (batch, len(batch))
+        self._last[live.queue] = len(batch)
         batch.append((live.queue, event))
 
     def may_wait(self) -> bool:
