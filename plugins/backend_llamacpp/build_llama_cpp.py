@@ -10,9 +10,14 @@ The patches:
 - ``q4_1-gemm.patch``: a kernel for products of a Q4_1 matrix with two or more rows of
   activations on x86 CPUs with AVX2. llama.cpp has none (it multiplies such a matrix by one
   row at a time), and Q4_1 is the embedded model's type: prompts, several sequences decoding
-  together and a draft's check all paid nearly one pass over the weights per row. Each row's
-  result is bit for bit what the one-row product gives (tests/backend_llamacpp/
-  test_q4_1_gemm.py); docs/benchmarks.md has what it changes.
+  together and a draft's check all paid nearly one pass over the weights per row. With
+  AVX-512 it takes a row of weights two blocks at a time. And for five to sixteen rows
+  (a draft's check, up to sixteen sequences' decodes) both it and llamafile's Q8_0 kernel
+  (the embedded model's output matrix) go over the weights once or twice in tiles of two
+  weight rows by up to eight activation rows, where llamafile made tiles of four and read
+  the whole matrix again for the rows left over. Each row's result is bit for bit what the
+  one-row product gives (tests/backend_llamacpp/test_q4_1_gemm.py); docs/benchmarks.md has
+  what it changes.
 - ``exact-attention-rows.patch``: attention's products with the KV cache (a view, never a
   weight) skip llamafile's tiles and go through ggml's vec_dot one output at a time, as a
   one-row decode's always do. The tiles sum in another order, so a row of a draft's check,

@@ -1,12 +1,14 @@
-"""llama.cpp's products of a Q4_1 matrix with several rows, through the kernel Laya adds
-(plugins/backend_llamacpp/patches/q4_1-gemm.patch): each row comes out bit for bit as the
-one-row product gives it, and right; and the installed llama-cpp-python is the patched
+"""llama.cpp's products of a Q4_1 or Q8_0 matrix with several rows, through the kernels Laya
+adds (plugins/backend_llamacpp/patches/q4_1-gemm.patch): each row comes out bit for bit as
+the one-row product gives it, and right; and the installed llama-cpp-python is the patched
 build.
 
-ggml is called directly (ctypes, on the libraries llama-cpp-python ships): a Q4_1 matrix of
-random weights times 1 to 9 rows of activations, on one thread and on two. Rows 2 to 9 go
-through the new kernel, one row through llama.cpp's own. A change of one part in 10^4 in
-the kernel's sums fails the first test (checked by hand)."""
+ggml is called directly (ctypes, on the libraries llama-cpp-python ships): a matrix of
+random weights times 1 to 17 rows of activations, on one thread and on two, with an even
+and an odd number of blocks a row (the AVX-512 kernel takes blocks two at a time). Rows 2
+to 17 go through the several-row kernels (tiles of 4 x 4, and of 2 x 5 to 2 x 8, once or
+twice over), one row through llama.cpp's own. A change of one part in 10^4 in the kernel's
+sums fails the first test (checked by hand)."""
 
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-Q4_1, F32 = 3, 0  # enum ggml_type
-K, M = 576, 98  # 18 blocks a row; rows that do not fill the kernel's tiles evenly
+Q4_1, Q8_0, F32 = 3, 8, 0  # enum ggml_type
+BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}
+M = 98  # rows that do not fill the kernels' tiles evenly
+ROWS = 17
 
 
 class InitParams(ctypes.Structure):
@@ -51,15 +55,16 @@ def ggml() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     return base, cpu
 
 
-def product(ggml: tuple[ctypes.CDLL, ctypes.CDLL], w: bytes, x: np.ndarray,
+def product(ggml: tuple[ctypes.CDLL, ctypes.CDLL], kind: int, w: bytes, x: np.ndarray,
             threads: int) -> np.ndarray:
-    """ggml_mul_mat of the Q4_1 matrix ``w`` [M, K] and the float32 rows ``x`` [n, K]:
-    [n, M]."""
+    """ggml_mul_mat of the matrix ``w`` [M, K] of type ``kind`` and the float32 rows ``x``
+    [n, K]: [n, M]."""
     base, cpu = ggml
+    k = x.shape[1]
     ctx = base.ggml_init(InitParams(64 << 20, None, False))
     try:
-        a = base.ggml_new_tensor_2d(ctx, Q4_1, K, M)
-        b = base.ggml_new_tensor_2d(ctx, F32, K, len(x))
+        a = base.ggml_new_tensor_2d(ctx, kind, k, M)
+        b = base.ggml_new_tensor_2d(ctx, F32, k, len(x))
         ctypes.memmove(base.ggml_get_data(a), w, len(w))
         ctypes.memmove(base.ggml_get_data(b), np.ascontiguousarray(x, np.float32).ctypes.data,
                        x.size * 4)
@@ -73,38 +78,45 @@ def product(ggml: tuple[ctypes.CDLL, ctypes.CDLL], w: bytes, x: np.ndarray,
         base.ggml_free(ctx)
 
 
-def dequantize(w: bytes) -> np.ndarray:
-    """Q4_1 blocks (float16 scale d and minimum m, 16 bytes of 4-bit q; the low halves are
-    the block's first 16 values): d x q + m, as float64 [M, K]."""
-    blocks = np.frombuffer(w, dtype=np.uint8).reshape(M, K // 32, 20)
+def dequantize(kind: int, w: bytes, k: int) -> np.ndarray:
+    """The matrix ``w`` as float64 [M, k]. Q4_1 blocks: float16 scale d and minimum m, 16
+    bytes of 4-bit q (the low halves are the block's first 16 values), d x q + m. Q8_0
+    blocks: float16 scale d, 32 signed bytes q, d x q."""
+    blocks = np.frombuffer(w, dtype=np.uint8).reshape(M, k // 32, BLOCK_BYTES[kind])
     d = blocks[..., 0:2].copy().view(np.float16).astype(np.float64)
+    if kind == Q8_0:
+        return (d * blocks[..., 2:].view(np.int8).astype(np.float64)).reshape(M, k)
     m = blocks[..., 2:4].copy().view(np.float16).astype(np.float64)
     qs = blocks[..., 4:]
     q = np.concatenate((qs & 15, qs >> 4), axis=-1).astype(np.float64)
-    return (d * q + m).reshape(M, K)
+    return (d * q + m).reshape(M, k)
 
 
-@pytest.fixture(scope="module")
-def weights(ggml: tuple[ctypes.CDLL, ctypes.CDLL]) -> bytes:
+def quantize(ggml: tuple[ctypes.CDLL, ctypes.CDLL], kind: int, k: int) -> bytes:
     rng = np.random.default_rng(7)
-    f = rng.normal(0.0, 0.05, size=(M, K)).astype(np.float32)
-    f[:, :32] += 0.2  # a block whose minimum is far from zero: the m x s term matters
-    dst = ctypes.create_string_buffer(M * K // 32 * 20)
-    size = ggml[0].ggml_quantize_chunk(Q4_1, f.ctypes.data, dst, 0, M, K, None)
+    f = rng.normal(0.0, 0.05, size=(M, k)).astype(np.float32)
+    f[:, :32] += 0.2  # a block whose minimum is far from zero: Q4_1's m x s term matters
+    dst = ctypes.create_string_buffer(M * k // 32 * BLOCK_BYTES[kind])
+    size = ggml[0].ggml_quantize_chunk(kind, f.ctypes.data, dst, 0, M, k, None)
     assert size == len(dst)
     return dst.raw
 
 
+@pytest.mark.parametrize("kind", [Q4_1, Q8_0], ids=["q4_1", "q8_0"])
+@pytest.mark.parametrize("k", [576, 608], ids=["18-blocks", "19-blocks"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_each_row_of_a_batch_is_its_one_row_product(ggml, weights, threads: int) -> None:
+def test_each_row_of_a_batch_is_its_one_row_product(ggml, kind: int, k: int,
+                                                     threads: int) -> None:
+    weights = quantize(ggml, kind, k)
     rng = np.random.default_rng(threads)
-    x = rng.normal(0.0, 1.0, size=(9, K)).astype(np.float32)
-    alone = np.concatenate([product(ggml, weights, x[i:i + 1], threads) for i in range(9)])
-    for n in range(2, 10):
-        together = product(ggml, weights, x[:n], threads)
+    x = rng.normal(0.0, 1.0, size=(ROWS, k)).astype(np.float32)
+    alone = np.concatenate([product(ggml, kind, weights, x[i:i + 1], threads)
+                            for i in range(ROWS)])
+    for n in range(2, ROWS + 1):
+        together = product(ggml, kind, weights, x[:n], threads)
         assert together.tobytes() == alone[:n].tobytes(), n  # bit for bit
-    # ... and the products are right: the activations go through 8 bits (Q8_1) on the way.
-    want = x.astype(np.float64) @ dequantize(weights).T
+    # ... and the products are right: the activations go through 8 bits on the way.
+    want = x.astype(np.float64) @ dequantize(kind, weights, k).T
     assert np.abs(alone - want).max() < 0.01 * np.abs(want).max()
 
 
