@@ -132,11 +132,13 @@ class StreamBlocks:
     def _delta(self, delta: dict[str, Any]) -> str:
         return event("content_block_delta", {"index": self.index, "delta": delta})
 
-    def feed(self, text: str, last: bool, tokens: int = 0) -> list[str]:
+    def feed(self, text: str, last: bool, tokens: int = 0,
+             head: Callable[[int], str] | None = None) -> list[str]:
         if self.thinker is None:
             return self._answer(text, last)
         out: list[str] = []
-        pieces = self.thinker.feed(text, tokens) + (self.thinker.finish() if last else [])
+        pieces = self.thinker.feed(text, tokens, head) + (
+            self.thinker.finish() if last else [])
         for kind, value in pieces:
             if kind == "reasoning":
                 if self.open != "thinking":

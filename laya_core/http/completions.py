@@ -89,7 +89,8 @@ class CompletionHandlers:
                 text, reasoning = event.text, None
                 if (thinker := thinkers[i]) is not None:  # the answer from its reasoning
                     last = event.finish_reason is not None
-                    pieces = thinker.feed(text, len(event.token_ids)) + (
+                    pieces = thinker.feed(text, len(event.token_ids),
+                                          runs[i].head_of(event.token_ids)) + (
                         thinker.finish() if last else [])
                     reasoning = "".join(t for k, t in pieces if k == "reasoning") or None
                     text = "".join(t for k, t in pieces if k == "content")

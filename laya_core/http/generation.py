@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import attrs
@@ -56,6 +56,11 @@ class Running:
         if self.counting is None:
             self.counting = parser
         return parser
+
+    def head_of(self, token_ids: Sequence[int]) -> Callable[[int], str]:
+        """``head(n)``, the text of the first n of ``token_ids`` (one event's), for a
+        reasoning parser's ``feed``: where a thinking budget ends inside an event."""
+        return lambda n: self.client.tokenizer().decode(list(token_ids[:n]))
 
     @property
     def reasoning_tokens(self) -> int:
@@ -315,7 +320,7 @@ async def collect(run: Running) -> Result:
     counting = run.reasoning_parser() if run.counting is None else None
     async for event in run.stream:
         if counting is not None:
-            counting.feed(event.text, len(event.token_ids))
+            counting.feed(event.text, len(event.token_ids), run.head_of(event.token_ids))
         parts.append(event.text)
         tokens += event.token_ids
         samples += event.samples

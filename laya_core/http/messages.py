@@ -133,7 +133,7 @@ class MessageHandlers:
                     text.append(event.text)
                     tokens += event.token_ids
                     for data in blocks.feed(event.text, event.finish_reason is not None,
-                                            len(event.token_ids)):
+                                            len(event.token_ids), run.head_of(event.token_ids)):
                         yield data
                     if event.finish_reason is None:
                         continue

@@ -19,7 +19,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -221,7 +221,8 @@ class ResponseHandlers:
                         break
                     start = now_ns()
                     last = event.finish_reason is not None
-                    for data in events.text(event.text, last, len(event.token_ids)):
+                    for data in events.text(event.text, last, len(event.token_ids),
+                                            runs[0].head_of(event.token_ids)):
                         yield data
                     if last:
                         timing = event.timing
@@ -265,10 +266,12 @@ class _Events:
         return self.handlers._object(self.req, self.response_id, self.created, status,
                                      list(self.output), usage)
 
-    def text(self, text: str, last: bool, tokens: int = 0) -> list[str]:
+    def text(self, text: str, last: bool, tokens: int = 0,
+             head: Callable[[int], str] | None = None) -> list[str]:
         if self.thinker is not None:  # its reasoning first, as an item of its own
             out: list[str] = []
-            pieces = self.thinker.feed(text, tokens) + (self.thinker.finish() if last else [])
+            pieces = self.thinker.feed(text, tokens, head) + (
+                self.thinker.finish() if last else [])
             for kind, value in pieces:
                 out += self._reasoning(value) if kind == "reasoning" else \
                     self._answer(value, False)

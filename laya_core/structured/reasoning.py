@@ -64,9 +64,19 @@ class _Split:
     reasoning_tokens: int = 0
     _reasoning_states: tuple[str, ...] = ()
 
-    def feed(self, text: str, tokens: int = 0) -> list[tuple[str, str]]:
+    def feed(self, text: str, tokens: int = 0,
+             head: Callable[[int], str] | None = None) -> list[tuple[str, str]]:
         """The next piece of text (``tokens``: how many tokens it came in) as ``(kind,
-        text)`` pairs, kind ``"reasoning"`` or ``"content"``."""
+        text)`` pairs, kind ``"reasoning"`` or ``"content"``. ``head(n)``: the text of the
+        piece's first n tokens, for a piece of several tokens (a speculative step's, held
+        ones) in which a thinking budget ends: what precedes the budget's end is reasoning,
+        what follows it is not, as :func:`laya_core.http.thinking.reasoning_of` splits a
+        whole output."""
+        cut = self._cut_at(tokens)
+        if cut and head is not None:
+            first = head(cut)
+            if first and len(first) < len(text) and text.startswith(first):
+                return self.feed(first, cut) + self.feed(text[len(first):], tokens - cut)
         before = self.state
         out = self._feed(text, tokens)
         kinds = {kind for kind, _ in out}
@@ -78,6 +88,11 @@ class _Split:
 
     def _feed(self, text: str, tokens: int) -> list[tuple[str, str]]:
         raise NotImplementedError
+
+    def _cut_at(self, tokens: int) -> int:
+        """How many of a piece's ``tokens`` precede a thinking budget's end inside it;
+        0 where none ends inside it."""
+        return 0
 
     def _say(self, out: list[tuple[str, str]], kind: str, text: str) -> None:
         if not text:
@@ -113,6 +128,12 @@ class ThinkParser(_Split):
         self.content = ""
 
     _reasoning_states = ("opened", "reasoning")
+
+    def _cut_at(self, tokens: int) -> int:
+        if not self.budget or self.state not in self._reasoning_states:
+            return 0
+        left = self.budget - self.spent
+        return left if 0 < left < tokens else 0
 
     def _feed(self, text: str, tokens: int) -> list[tuple[str, str]]:
         """``tokens`` count against the budget."""

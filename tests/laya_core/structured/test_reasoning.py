@@ -66,6 +66,28 @@ def test_a_spent_budget_ends_the_reasoning_without_the_tag() -> None:
     assert (early.reasoning, early.content) == ("a", "b")
 
 
+def test_a_budget_ending_inside_a_piece_of_several_tokens_splits_it_there() -> None:
+    """A speculative step, or held tokens, hand over several tokens at once; where the
+    thinking budget ends among them, the tokens before its end are reasoning and the rest
+    the answer, as the whole output splits (``reasoning_of``), and the usage counts only
+    those before it as reasoning."""
+    tokens = ["one", " two", " three", '{"a"', ": 1}"]
+    for sizes in ([1, 1, 1, 1, 1], [2, 3], [1, 4], [5], [3, 2], [2, 1, 2]):
+        parser, at = ThinkParser(inside=True, budget=3), 0
+        pieces = []
+        for n in sizes:
+            piece = tokens[at:at + n]
+            pieces += parser.feed("".join(piece), n,
+                                  lambda k, piece=piece: "".join(piece[:k]))
+            at += n
+        pieces += parser.finish()
+        assert (parser.reasoning, parser.content) == ("one two three", '{"a": 1}'), sizes
+        assert parser.reasoning_tokens == 3, sizes
+    blind = ThinkParser(inside=True, budget=3)  # no head: the piece stays on one side
+    blind.feed("one two", 2), blind.feed(' three{"a"', 2), blind.finish()
+    assert (blind.reasoning, blind.content) == ('one two three{"a"', "")
+
+
 HARMONY = [  # (output, reasoning, answer)
     ("<|channel|>analysis<|message|>7 has no divisors.<|end|><|start|>assistant"
      "<|channel|>final<|message|>Yes, 7 is prime.<|return|>",
