@@ -28,7 +28,7 @@ from laya_backend_torch.lora import LoraRows
 from laya_backend_torch.lora import apply as apply_lora
 from laya_backend_torch.packed import GroupQuant
 from laya_backend_torch.quant import Int8Linear, Linear, dense, linear_kind
-from laya_backend_torch.rope import cos_sin_table, rotate
+from laya_backend_torch.rope import cos_sin_table, rotate, signed
 
 
 @attrs.define
@@ -164,7 +164,9 @@ class LlamaModel:
                     linear.chunk_rows = chunk_rows
         cos, sin = cos_sin_table(c.head_dim, c.rope_theta, c.rope_scaling, max_positions,
                                  torch.float32, rope_freqs)
-        self.cos, self.sin = cos.to(device), sin.to(device)
+        # In the compute dtype once, where each pass cast the rows it took.
+        self.cos = cos.to(device=device, dtype=dtype)
+        self.signed_sin = signed(sin).to(device=device, dtype=dtype)
         self.kv_pool = torch.empty(0)
 
     def _linears(self) -> list[Linear]:
@@ -220,8 +222,8 @@ class LlamaModel:
         # index_select, not t[ids]: advanced indexing costs 5 times as much on these small
         # gathers (20 us against 4 for a 150-token history, AMD EPYC), 60 times a step.
         h = self.embed.rows(batch.tokens)
-        cos = self.cos.index_select(0, batch.positions).unsqueeze(1).to(self.dtype)
-        sin = self.sin.index_select(0, batch.positions).unsqueeze(1).to(self.dtype)
+        cos = self.cos.index_select(0, batch.positions).unsqueeze(1)
+        sin = self.signed_sin.index_select(0, batch.positions).unsqueeze(1)
         for i, layer in enumerate(self.layers):
             x = F.rms_norm(h, (c.hidden_size,), layer.input_norm, c.rms_norm_eps)
             qkv = layer.qkv(x)
@@ -231,14 +233,15 @@ class LlamaModel:
             heads = c.num_heads + c.num_kv_heads  # q and k rotated together: half the ops
             q, k = rotate(qkv[:, :heads], cos, sin).split((c.num_heads, c.num_kv_heads), dim=1)
             kv = torch.cat((k, qkv[:, heads:]), dim=1).to(pool.dtype)
-            pool[i].index_copy_(0, batch.slots, kv)
+            layer_pool = pool[i]
+            layer_pool.index_copy_(0, batch.slots, kv)
             if not lora:
-                h = h + layer.o(self._attend(pool[i], q, batch.attention))
+                h = h + layer.o(self._attend(layer_pool, q, batch.attention))
                 x = F.rms_norm(h, (c.hidden_size,), layer.post_norm, c.rms_norm_eps)
                 gate, up = layer.gate_up(x).chunk(2, dim=-1)
                 h = h + layer.down(F.silu(gate) * up)
                 continue
-            attended = self._attend(pool[i], q, batch.attention)
+            attended = self._attend(layer_pool, q, batch.attention)
             h = h + apply_lora(layer.o(attended), attended, lora, i, "o")
             x = F.rms_norm(h, (c.hidden_size,), layer.post_norm, c.rms_norm_eps)
             gate, up = apply_lora(layer.gate_up(x), x, lora, i, "gate_up").chunk(2, dim=-1)

@@ -90,9 +90,15 @@ def cos_sin_table(head_dim: int, theta: float, scaling: dict[str, Any] | None,
     return ((angles.cos() * attention).to(dtype), (angles.sin() * attention).to(dtype))
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x`` [tokens, heads, head_dim] rotated by its positions' ``cos``/``sin`` [tokens, 1,
-    head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def signed(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` [..., head_dim] with its first half negated: rotate-half's sign moved into the
+    table, so that ``rotate`` needs a roll where it took a slice, a negation and a join."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``x`` [tokens, heads, head_dim] rotated by its positions' ``cos`` and ``signed(sin)``
+    [tokens, 1, head_dim]: ``x cos + (-x2, x1) sin``, where ``-x2 sin`` is ``x2 (-sin)`` to
+    the bit, with four operations instead of seven (decode runs this 30 times a token)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
