@@ -75,8 +75,9 @@ class SpeculativeConfig:
     # No drafts in a step that runs more sequences than this (None: drafts at any batch size).
     disable_by_batch_size: int | None = None
     # The default of a manifest without ``speculative``: prompt lookup only where drafts
-    # change nothing in the output (the replica's rows are exact: ``batch_invariant``) and
-    # for requests without an adapter; off elsewhere.
+    # change nothing in the output (the replica's rows are exact in any batch,
+    # ``batch_invariant``, or a draft's check gives its rows a lone decode's bits,
+    # ``exact_drafts``) and for requests without an adapter; off elsewhere.
     auto: bool = False
 
 

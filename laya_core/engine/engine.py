@@ -297,7 +297,9 @@ class Engine:
         self._embeds = EmbedQueue(self.max_seq_len, self.backend.max_embed_inputs,
                                   self.backend.embeds_in_chunks, self._dequeued)
         spec = self.config.speculative
-        if spec is not None and spec.auto and not self.runtime().get("batch_invariant"):
+        runtime = self.runtime()
+        if spec is not None and spec.auto and not (runtime.get("batch_invariant")
+                                                   or runtime.get("exact_drafts")):
             spec = None  # drafts could change the output here: the default leaves them off
         self._speculative = spec
         if spec is not None and spec.method == "draft":  # laya_core/engine/draft_model.py

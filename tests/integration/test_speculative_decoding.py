@@ -366,22 +366,48 @@ def test_served_drafts_show_in_the_timing_metrics_and_live_page(tmp_path) -> Non
             assert all(isinstance(x, str) for x in json.loads(answer["message"]["content"]))
 
 
-@pytest.mark.parametrize(("backend", "drafts"), [("llamacpp", True), ("torch", False)])
-def test_the_default_drafts_only_where_drafts_change_nothing(backend: str, drafts: bool) -> None:
-    """Without a ``speculative`` key a model gets prompt lookup where its replica says its
-    rows are exact (llama.cpp on the embedded model, flash attention off as by default), and
-    none where they are not (torch without ``deterministic``); an adapter's requests and
-    steps of more than two sequences draft nothing either (spec/manifest.md)."""
+def _default_replica(backend: str, options: dict[str, object],
+                     speculative: bool | None = None) -> Deployment:
     registry = load_registry()
     model = {"name": "smollm2", "path": "embedded:smollm2-135m-instruct", "backend": backend,
-             "max_seq_len": 1024, "max_num_seqs": 4}
+             "max_seq_len": 1024, "max_num_seqs": 4, "options": options}
+    if speculative is not None:
+        model["speculative"] = speculative
     d = Deployment(mf.resolve(mf.from_dict({"models": [model]}), registry), registry)
     d.start()
+    assert d.wait_ready(300), d.engines[0].error
+    return d
+
+
+@pytest.mark.parametrize(("backend", "options", "drafts"), [
+    ("llamacpp", {}, True), ("torch", {}, True),
+    ("torch", {"dtype": "float32", "quantize": "none"}, False)],
+    ids=["llamacpp", "torch", "torch-float32"])
+def test_the_default_drafts_only_where_drafts_change_nothing(
+        backend: str, options: dict[str, object], drafts: bool) -> None:
+    """Without a ``speculative`` key a model gets prompt lookup where its replica says drafts
+    change no output: its rows are exact in any batch (llama.cpp on the embedded model,
+    flash attention off as by default: ``batch_invariant``) or a check gives its rows a lone
+    decode's bits (torch's 16-bit and integer products: ``exact_drafts``), and none where
+    neither holds (torch's float32 products change with the row count); an adapter's
+    requests and steps of more than two sequences draft nothing either (spec/manifest.md).
+    Where it drafts, a copy's greedy tokens and log-probabilities are those of the same
+    replica without drafts."""
+    d = _default_replica(backend, options)
     try:
-        assert d.wait_ready(300), d.engines[0].error
         e = d.engines[0]
-        assert bool(e.runtime().get("batch_invariant")) is drafts
-        run(e, GREEDY[:1], PROMPTS[2:3])  # a copy
+        runtime = e.runtime()
+        assert bool(runtime.get("batch_invariant") or runtime.get("exact_drafts")) is drafts
+        (with_drafts,) = run(e, GREEDY[:1], PROMPTS[2:3])  # a copy
         assert (e.speculative.num_drafts > 0) is drafts
     finally:
         d.stop()
+    if not drafts:
+        return
+    d = _default_replica(backend, options, speculative=False)
+    try:
+        (plain,) = run(d.engines[0], GREEDY[:1], PROMPTS[2:3])
+    finally:
+        d.stop()
+    assert with_drafts.ids == plain.ids
+    assert with_drafts.logprobs == plain.logprobs

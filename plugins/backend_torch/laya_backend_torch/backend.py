@@ -136,6 +136,11 @@ class TorchBackend(Backend):
         for name, folder in self.config.lora.items():
             self._adapters.load(name, str(folder))
         self.pooling = read_shape(self.config.path).pooling or DEFAULT_POOLING
+        # A row's products are the same bits in a product of any number of rows
+        # (quant.two_rows); float32's kernels, CUDA's and torch.compile's code can change
+        # with the row count.
+        row_exact = chosen.device == "cpu" and not chosen.compile \
+            and (chosen.dtype != "float32" or chosen.quantize != "none")
         self._runtime: dict[str, Any] = {
             "device": chosen.device, "dtype": chosen.dtype, "dtype_reason": chosen.reason,
             "quantize": chosen.quantize, "quantize_reason": chosen.quantize_reason,
@@ -147,8 +152,10 @@ class TorchBackend(Backend):
             # the row count, and attention needs float64 (deterministic, model._attend).
             "deterministic": chosen.deterministic,
             "embedding_pooling": self.pooling,
-            "batch_invariant": chosen.device == "cpu" and chosen.deterministic
-            and (chosen.dtype != "float32" or chosen.quantize != "none"),
+            "batch_invariant": row_exact and chosen.deterministic,
+            # Whether a draft's check gives each row the bits a one-token decode of it gives
+            # alone (model.build_batch's checks), so that prompt lookup changes no output.
+            "exact_drafts": row_exact,
             "lora": {name: {"path": str(w_path), "bytes": self._adapters.loaded[name].nbytes}
                      for name, w_path in self.config.lora.items()},
         }
@@ -296,7 +303,8 @@ class TorchBackend(Backend):
                               first + len(item.tokens))
             first += len(item.tokens)
         batch = build_batch(((list(it.tokens), it.start_pos, list(it.block_table))
-                             for it in items), rows, self._block_size).to(self._device)
+                             for it in items), rows, self._block_size,
+                            self._checks(items)).to(self._device)
         lora_rows = self._adapters.rows([it.seq_id for it in items],
                                         [len(it.tokens) for it in items])
         with torch.inference_mode():
@@ -319,6 +327,13 @@ class TorchBackend(Backend):
                 out[i] = StepResult(pick, scores.get(i, ()),
                                     accepted=self._verify(logits, at, items[i], pick, sampler))
         return out
+
+    def _checks(self, items: Sequence[StepItem]) -> set[int]:
+        """The items whose rows attend as lone decodes (model.build_batch): those that check
+        a draft, where that makes the check's rows a lone decode's bits (``exact_drafts``)."""
+        if not self._runtime["exact_drafts"]:
+            return set()
+        return {i for i, item in enumerate(items) if item.draft}
 
     def _verify(self, logits: Any, at: int, item: StepItem, pick: Sample,
                 sampler: Any) -> tuple[Sample, ...]:

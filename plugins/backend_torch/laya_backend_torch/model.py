@@ -16,7 +16,7 @@ groups (``quant.Int4Linear``) with the output head in int8.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator
 from typing import Any
 
 import attrs
@@ -51,15 +51,19 @@ class Attention:
     decode_mask: torch.Tensor | None  # [B, 1, 1, L] true where a slot is history
     # (first row, rows, pool slots of positions 0 .. end, start position) per chunk
     chunks: tuple[tuple[int, int, torch.Tensor, int], ...]
+    # The same per draft check, whose rows attend one at a time (build_batch's ``checks``)
+    checks: tuple[tuple[int, int, torch.Tensor, int], ...] = ()
 
     def to(self, device: torch.device | str) -> Attention:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=True)
 
+        def moved(parts: tuple[tuple[int, int, torch.Tensor, int], ...]) -> tuple[
+                tuple[int, int, torch.Tensor, int], ...]:
+            return tuple((r, n, s.to(device, non_blocking=True), st) for r, n, s, st in parts)
+
         return Attention(move(self.decode_rows), move(self.decode_slots),
-                         move(self.decode_mask),
-                         tuple((r, n, s.to(device, non_blocking=True), st)
-                               for r, n, s, st in self.chunks))
+                         move(self.decode_mask), moved(self.chunks), moved(self.checks))
 
 
 @attrs.frozen
@@ -80,14 +84,22 @@ class Batch:
 
 
 def build_batch(items: Iterable[tuple[list[int], int, list[int]]],
-                logit_rows: list[int], block_size: int) -> Batch:
-    """``items``: (tokens, start position, block table) per item, in row order."""
+                logit_rows: list[int], block_size: int,
+                checks: Container[int] = ()) -> Batch:
+    """``items``: (tokens, start position, block table) per item, in row order.
+
+    ``checks``: the indices of items that check a draft. Their rows attend one at a time,
+    each exactly as a one-token decode of its position alone does (``_attend``), so that a
+    kept draft gives the bits that decoding its tokens one by one gives: the products are
+    the same bits for a row in any number of rows (quant.two_rows), and only attention
+    sums otherwise over several queries."""
     tokens: list[int] = []
     positions: list[torch.Tensor] = []
     slots: list[torch.Tensor] = []
     decode: list[tuple[int, torch.Tensor]] = []
     chunks: list[tuple[int, int, torch.Tensor, int]] = []
-    for toks, start, table in items:
+    checked: list[tuple[int, int, torch.Tensor, int]] = []
+    for i, (toks, start, table) in enumerate(items):
         row, end = len(tokens), start + len(toks)
         tokens += toks
         pos = torch.arange(end)
@@ -98,7 +110,7 @@ def build_batch(items: Iterable[tuple[list[int], int, list[int]]],
         if len(toks) == 1:
             decode.append((row, history))
         else:
-            chunks.append((row, len(toks), history, start))
+            (checked if i in checks else chunks).append((row, len(toks), history, start))
     if decode:
         longest = max(len(h) for _, h in decode)
         padded = torch.zeros(len(decode), longest, dtype=torch.long)
@@ -106,9 +118,10 @@ def build_batch(items: Iterable[tuple[list[int], int, list[int]]],
         for i, (_, history) in enumerate(decode):
             padded[i, :len(history)] = history
             mask[i, ..., :len(history)] = True
-        attention = Attention(torch.tensor([r for r, _ in decode]), padded, mask, tuple(chunks))
+        attention = Attention(torch.tensor([r for r, _ in decode]), padded, mask,
+                              tuple(chunks), tuple(checked))
     else:
-        attention = Attention(None, None, None, tuple(chunks))
+        attention = Attention(None, None, None, tuple(chunks), tuple(checked))
     return Batch(torch.tensor(tokens, dtype=torch.long), torch.cat(positions),
                  torch.cat(slots), attention, torch.tensor(logit_rows, dtype=torch.long))
 
@@ -261,16 +274,17 @@ class LlamaModel:
         and queries in the call (a decode padded to a longer neighbour, a prompt in other
         chunks), which 30 layers of bfloat16 turn into other logits; in float64
         (``deterministic``) those bits stay below what the cast back keeps, at 2 to 3.5
-        times the attention's cost."""
+        times the attention's cost. A draft's check needs no float64: its rows are
+        attended one call each, as lone decodes (``checks``), which gives them a lone
+        decode's bits at any precision."""
         dtype, q = q.dtype, q.to(self.attention_dtype)
         kv_heads = self.config.num_kv_heads  # pool: one layer's [slots, 2 kv_heads, dim]
         if a.decode_rows is not None:
             assert a.decode_slots is not None
-            b, length = a.decode_slots.shape
+            b = a.decode_slots.shape[0]
             alone = b == q.shape[0]  # decodes only, in row order (build_batch's)
             qd = (q if alone else q.index_select(0, a.decode_rows)).unsqueeze(2)  # [B, heads, 1, dim]
-            kvd = pool.index_select(0, a.decode_slots.view(-1)).to(q.dtype)
-            kvd = kvd.view(b, length, *pool.shape[1:]).transpose(1, 2)  # [B, 2 kv_heads, L, dim]
+            kvd = self._history(pool, a.decode_slots.view(-1), q.dtype, b)
             od = F.scaled_dot_product_attention(
                 qd, kvd[:, :kv_heads], kvd[:, kv_heads:],
                 attn_mask=a.decode_mask if b > 1 else None, enable_gqa=True)
@@ -280,6 +294,13 @@ class LlamaModel:
             out.index_copy_(0, a.decode_rows, od.reshape(b, self.q_size))
         else:
             out = torch.empty(q.shape[0], self.q_size, dtype=q.dtype, device=q.device)
+        for row, n, slots, start in a.checks:  # each row as a lone decode (build_batch)
+            kvc = self._history(pool, slots, q.dtype, 1)
+            for j in range(n):
+                k, v = kvc[:, :kv_heads, :start + j + 1], kvc[:, kv_heads:, :start + j + 1]
+                oj = F.scaled_dot_product_attention(q[row + j:row + j + 1].unsqueeze(2), k, v,
+                                                    enable_gqa=True)
+                out[row + j] = oj.view(self.q_size)
         for row, n, slots, start in a.chunks:
             qc = q[row:row + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
             kvc = pool.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
@@ -294,3 +315,11 @@ class LlamaModel:
                                                     enable_gqa=True)
             out[row:row + n] = oc[0].transpose(0, 1).reshape(n, self.q_size)
         return out.to(dtype)
+
+    @staticmethod
+    def _history(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype,
+                 b: int) -> torch.Tensor:
+        """K and V of ``slots`` (``b`` histories of equal length, one after another) as
+        [b, 2 kv_heads, length, dim] in ``dtype``."""
+        kv = pool.index_select(0, slots).to(dtype)
+        return kv.view(b, -1, *pool.shape[1:]).transpose(1, 2)
