@@ -75,6 +75,10 @@ class Backend(abc.ABC):
     supports_prompt_logprobs: ClassVar[bool] = False
     # Whether step() verifies drafts (``StepItem.draft``): speculative decoding.
     supports_speculative: ClassVar[bool] = False
+    # The longest draft of the default prompt lookup (types.AUTO_SPECULATIVE) here: a check
+    # of that many tokens and one more should cost the matrix kernels little beyond a
+    # decode (a manifest's own ``num_speculative_tokens`` is kept as written).
+    auto_draft_tokens: ClassVar[int] = 4
     # Whether a second instance of the backend can run a draft model beside the model
     # (speculative method "draft", laya_core/engine/draft_model.py), with no cache policy:
     # on the streams layout its KV is a stream per slot the engine hands out (and trims with

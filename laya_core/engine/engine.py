@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
+import attrs
+
 from laya_core.backend import Backend, ModelConfig, ModelInfo
 from laya_core.engine import draft_model
 from laya_core.engine.adapters import AdapterJob, AdapterJobs
@@ -271,7 +273,8 @@ class Engine:
         if self.state is not EngineState.LOADING:  # the drafts its requests get (_load)
             spec = self._speculative
             described["speculative"] = "off" if spec is None else spec.method + (
-                " (default: rows are exact)" if spec.auto else "")
+                f" (default: drafts of up to {spec.num_speculative_tokens} tokens, which "
+                "change no output)" if spec.auto else "")
         return described
 
     @property
@@ -297,10 +300,15 @@ class Engine:
         self._embeds = EmbedQueue(self.max_seq_len, self.backend.max_embed_inputs,
                                   self.backend.embeds_in_chunks, self._dequeued)
         spec = self.config.speculative
-        runtime = self.runtime()
-        if spec is not None and spec.auto and not (runtime.get("batch_invariant")
-                                                   or runtime.get("exact_drafts")):
-            spec = None  # drafts could change the output here: the default leaves them off
+        if spec is not None and spec.auto:
+            runtime = self.runtime()
+            if runtime.get("batch_invariant") or runtime.get("exact_drafts"):
+                # No longer than the plan counted (the default's length), and no longer
+                # than the backend's kernels check cheaply.
+                spec = attrs.evolve(spec, num_speculative_tokens=min(
+                    spec.num_speculative_tokens, self.backend.auto_draft_tokens))
+            else:
+                spec = None  # drafts could change the output: the default leaves them off
         self._speculative = spec
         if spec is not None and spec.method == "draft":  # laya_core/engine/draft_model.py
             tokens = self.tokenizer
