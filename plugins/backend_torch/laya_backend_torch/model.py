@@ -6,7 +6,9 @@ chunks and decodes), and only attention is per sequence. Each token's K and V ar
 to its place in the pool (block ``table[p // 16]``, offset ``p % 16``) before attention reads
 the sequence's whole history back through its block table, so a cached prefix shared by
 several sequences is read, never copied. Decoding sequences attend together in one padded
-call; a prefill chunk attends alone, causally from its start position.
+call; a prefill chunk attends alone, causally from its start position; and the rows of a
+draft's check that the backend names (``build_batch``'s ``checks``) one call each, every
+row as a lone decode of its position.
 
 Covers RMSNorm, rotary embeddings (``rope.py``), grouped-query attention, the SwiGLU MLP,
 tied embeddings and Qwen2's q/k/v biases. Weights are in the compute dtype (float32 or
