@@ -7,6 +7,8 @@ PORT ?= 8000
 
 ROUTER_SOURCES := $(shell find plugins/router_nanobind -type f \( -name '*.cpp' -o -name '*.h' \
 	-o -name '*.py' -o -name 'CMakeLists.txt' -o -name 'pyproject.toml' \) -not -path '*/build/*')
+TORCH_KERNEL_SOURCES := $(shell find plugins/backend_torch/kernels -type f \( -name '*.cpp' \
+	-o -name 'CMakeLists.txt' -o -name 'pyproject.toml' \) -not -path '*/build/*')
 EXAMPLE_SOURCES := $(shell find examples -type f \( -name '*.py' -o -name 'pyproject.toml' \) \
 	-not -path '*/build/*')
 STAMP := $(VENV)/.installed
@@ -50,7 +52,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml plugins/backend_llamacpp/pyproject.toml plugins/backend_torch/pyproject.toml \
 		plugins/backend_exl2/pyproject.toml plugins/backend_llamacpp/build_llama_cpp.py \
 		$(wildcard plugins/backend_llamacpp/patches/*.patch) \
-		$(ROUTER_SOURCES) $(EXAMPLE_SOURCES)
+		$(ROUTER_SOURCES) $(TORCH_KERNEL_SOURCES) $(EXAMPLE_SOURCES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@rm -f $(LOG)
 	@echo "laya: installing into $(VENV). The first install compiles llama.cpp from source" \
@@ -71,6 +73,8 @@ $(STAMP): pyproject.toml plugins/backend_llamacpp/pyproject.toml plugins/backend
 	$(BIN)/python -m pip install --quiet --force-reinstall --no-deps "$$(cat $(VENV)/llama-wheel)"
 	$(BIN)/python -m pip install --quiet -e '.[test]' -e plugins/backend_llamacpp
 	$(call pip_compiling,the C++ router,./plugins/router_nanobind)
+	# The torch backend's CPU kernels (C++, nanobind) first: the backend depends on them.
+	$(call pip_compiling,the torch backend's kernels,./plugins/backend_torch/kernels)
 	$(BIN)/python -m pip install --quiet -e plugins/backend_torch
 	# The exllama backends: importable and planned everywhere; exllamav2/v3 (CUDA only) are
 	# not installed here (the plugin's extras), so they refuse to start without a GPU.

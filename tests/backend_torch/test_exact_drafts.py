@@ -1,7 +1,11 @@
 """A draft's check on the torch backend gives each of its rows the bits that decoding that
 row's token alone gives (``model.build_batch``'s ``checks``), with the backend's defaults
 (``deterministic`` off), so that the default prompt lookup changes no output. The rows
-attend one call each; the products are the same bits for a row in any number of rows."""
+attend one call each; the products are the same bits for a row in any number of rows.
+
+Both ways a step runs: on laya_torch_kernels (the default, ``native``), where every
+one-token query attends on its own, and on PyTorch's operations (``eager``: the model's
+``kernels`` taken away, as where they are not installed)."""
 
 from __future__ import annotations
 
@@ -20,24 +24,34 @@ PROMPT = list(range(200, 260))  # 60 positions: a partly filled fourth block
 DRAFT = [7, 1000, 2000, 3000, 4000, 5, 6, 7, 8]  # nine rows: a check of eight drafts
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["1-thread", "2-threads"])
-def model(request: pytest.FixtureRequest) -> Iterator[LlamaModel]:
-    before = torch.get_num_threads()
+def loaded(threads: int, native: bool) -> TorchBackend:
     backend = TorchBackend(ModelConfig(
         name="m", backend="torch", path=embedded_file("smollm2-135m-instruct"),
-        max_seq_len=256, max_num_seqs=3, options={"n_threads": request.param}))
+        max_seq_len=256, max_num_seqs=3, options={"n_threads": threads}))
     backend.load_weights()
     assert backend.describe()["exact_drafts"] is True
     assert backend.describe()["batch_invariant"] is False  # float32 attention
+    assert backend.describe()["kernels"].startswith("laya_torch_kernels")
+    if not native:
+        backend._model.kernels = None  # type: ignore[attr-defined]
     backend.allocate_kv(num_tokens=64 * 16, max_num_seqs=3)  # blocks 0 to 63
-    yield backend._model  # type: ignore[misc]
+    assert backend._model.native is native  # type: ignore[attr-defined]
+    return backend
+
+
+@pytest.fixture(scope="module", params=[(1, True), (2, True), (1, False), (2, False)],
+                ids=["1-thread-native", "2-threads-native", "1-thread-eager",
+                     "2-threads-eager"])
+def model(request: pytest.FixtureRequest) -> Iterator[LlamaModel]:
+    before = torch.get_num_threads()
+    yield loaded(*request.param)._model  # type: ignore[misc]
     torch.set_num_threads(before)
 
 
 def forward(model: LlamaModel, items: list[tuple[list[int], int, list[int]]],
             rows: list[int], checks: Container[int] = ()) -> torch.Tensor:
     with torch.inference_mode():
-        return model.forward(build_batch(items, rows, 16, checks))
+        return model.forward(build_batch(items, rows, 16, checks, model.native))
 
 
 def test_a_checks_rows_are_lone_decodes(model: LlamaModel) -> None:
@@ -59,16 +73,29 @@ def test_a_checks_rows_are_lone_decodes(model: LlamaModel) -> None:
         assert torch.equal(beside[1 + j], solo[j]), f"row {j} of the check beside others"
 
 
-def test_a_sequence_alone_answers_alike_with_drafts() -> None:
+def test_on_the_kernels_a_decode_is_alike_in_any_batch() -> None:
+    """On the kernels a decoding row attends on its own: its logits are a lone decode's
+    bits beside other decodes of longer and shorter histories, a check and a prompt chunk."""
+    before = torch.get_num_threads()
+    model = loaded(2, True)._model
+    tables = [list(range(16 * s, 16 * s + 16)) for s in range(4)]
+    for s, n in enumerate((60, 20, 100)):
+        forward(model, [(list(range(300, 300 + n)), 0, tables[s])], [n - 1])
+    alone = forward(model, [([11], 60, tables[0])], [0])[0]
+    together = forward(model, [([12], 20, tables[1]), ([11], 60, tables[0]),
+                               ([13], 100, tables[2]), ([14, 15, 16], 101, tables[2]),
+                               (PROMPT[:30], 0, tables[3])], [0, 1, 2, 5, 35])
+    torch.set_num_threads(before)
+    assert torch.equal(together[1], alone)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "eager"])
+def test_a_sequence_alone_answers_alike_with_drafts(native: bool) -> None:
     """Through ``TorchBackend.step``: a sequence that decodes alone in its steps keeps a
     draft of its own greedy tokens with the log-probabilities its one-token decodes had,
     also beside another sequence's prompt chunk (no other sequence decodes there, so it
     would have decoded alone without the draft)."""
-    backend = TorchBackend(ModelConfig(
-        name="m", backend="torch", path=embedded_file("smollm2-135m-instruct"),
-        max_seq_len=256, max_num_seqs=3, options={"n_threads": 1}))
-    backend.load_weights()
-    backend.allocate_kv(num_tokens=64 * 16, max_num_seqs=3)
+    backend = loaded(1, native)
     greedy = SamplingParams(max_tokens=100, temperature=0.0, logprobs=1)
     for seq in range(3):
         backend.start_sequence(seq, greedy)

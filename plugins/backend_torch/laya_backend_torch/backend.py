@@ -151,6 +151,9 @@ class TorchBackend(Backend):
             "device": chosen.device, "dtype": chosen.dtype, "dtype_reason": chosen.reason,
             "quantize": chosen.quantize, "quantize_reason": chosen.quantize_reason,
             "n_threads": chosen.threads, "compile": chosen.compile,
+            # Whether a step's small operations run in laya_torch_kernels (model.py's
+            # _forward_native) or as eager PyTorch operations.
+            "kernels": self._kernels_report(),
             "torch": torch.__version__, "cpu_capability": options.cpu_capability(),
             "checkpoint": checkpoint.description,
             # Whether a sequence's logits are the same bits in any batch and chunking: the
@@ -175,6 +178,17 @@ class TorchBackend(Backend):
                         f"{'' if chosen.quantize == 'none' else ' ' + chosen.quantize}"
                         f" on {chosen.device}",
             special_tokens=tok.special_tokens)
+
+    def _kernels_report(self) -> str:
+        model = self._model
+        if model.kernels is not None:
+            return "laya_torch_kernels (steps without LoRA rows)" if self.config.kv_cache_dtype \
+                != "f32" else "off: they take a 16-bit KV cache"
+        if self._device.type != "cpu" or model.dtype != self._torch.bfloat16:
+            return "off: they take bfloat16 on the CPU"
+        if model.attention_dtype != self._torch.float32:
+            return "off: deterministic attends in float64"
+        return "off: laya_torch_kernels is not installed (pip install plugins/backend_torch/kernels)"
 
     def load_adapter(self, name: str, path: str) -> None:
         weights = self._adapters.load(name, path)
@@ -231,7 +245,7 @@ class TorchBackend(Backend):
             items.append((list(c.tokens), c.start, table))
             first += len(c.tokens)
         try:
-            batch = build_batch(items, rows, 1).to(self._device)
+            batch = build_batch(items, rows, 1, native=self._model.native).to(self._device)
             with torch.inference_mode():
                 hidden = self._model.forward(batch, kv_pool=self._embed_pool, hidden=True)
             sums = torch.zeros(len(plan.chunks), hidden.shape[1], dtype=torch.float64)
@@ -309,11 +323,12 @@ class TorchBackend(Backend):
                 rows += range(first + len(item.tokens) - 1 - len(item.draft),
                               first + len(item.tokens))
             first += len(item.tokens)
-        batch = build_batch(((list(it.tokens), it.start_pos, list(it.block_table))
-                             for it in items), rows, self._block_size,
-                            self._checks(items)).to(self._device)
         lora_rows = self._adapters.rows([it.seq_id for it in items],
                                         [len(it.tokens) for it in items])
+        native = self._model.native and not lora_rows
+        batch = build_batch(((list(it.tokens), it.start_pos, list(it.block_table))
+                             for it in items), rows, self._block_size,
+                            self._checks(items, native), native).to(self._device)
         with torch.inference_mode():
             logits = self._run(batch, lora_rows)
             scores = {i: self._score(logits[at:at + len(items[i].score_targets)],
@@ -335,19 +350,25 @@ class TorchBackend(Backend):
                                     accepted=self._verify(logits, at, items[i], pick, sampler))
         return out
 
-    def _checks(self, items: Sequence[StepItem]) -> set[int]:
-        """The items whose rows attend as lone decodes (model.build_batch): a draft's check
-        whose sequence is the step's only one decoding, which without the draft would have
-        decoded alone, with a lone decode's bits (``exact_drafts``). Beside other decoding
-        sequences it would have attended in their padded call, whose bits row by row is no
-        nearer to than one call, which costs less (eight checks of 4 rows: 86-88 ms a step
-        against 98-104, Intel Xeon with AMX). Float64 attention (``deterministic``) gives a
-        row the same bits in any call already."""
+    def _checks(self, items: Sequence[StepItem], native: bool) -> set[int]:
+        """The items whose rows attend as lone decodes (model.build_batch): a draft's check,
+        whose kept rows then have a lone decode's bits (``exact_drafts``).
+
+        On the kernels (``native``) every check: each of their queries attends on its own
+        anyway, a decode's as a check's. On PyTorch's attention only a check whose sequence
+        is the step's only one decoding, which without the draft would have decoded alone:
+        beside other decoding sequences it would have attended in their padded call, whose
+        bits row by row is no nearer to than one call, which costs less (eight checks of 4
+        rows: 86-88 ms a step against 98-104, Intel Xeon with AMX). Float64 attention
+        (``deterministic``) gives a row the same bits in any call already."""
+        drafted = [i for i, item in enumerate(items) if item.draft]
+        if native:
+            return set(drafted)
         if not self._lone_checks:
             return set()
         decoding = [i for i, item in enumerate(items)
                     if item.sample and len(item.tokens) == 1 + len(item.draft)]
-        return set(decoding) if len(decoding) == 1 and items[decoding[0]].draft else set()
+        return set(decoding) if len(decoding) == 1 and decoding == drafted else set()
 
     def _verify(self, logits: Any, at: int, item: StepItem, pick: Sample,
                 sampler: Any) -> tuple[Sample, ...]:

@@ -55,6 +55,12 @@ class Attention:
     chunks: tuple[tuple[int, int, torch.Tensor, int], ...]
     # The same per draft check, whose rows attend one at a time (build_batch's ``checks``)
     checks: tuple[tuple[int, int, torch.Tensor, int], ...] = ()
+    # The kernels' batch (build_batch's ``native``): every one-token query, a decode's row
+    # or a check's, as (row, offset into lone_histories, length) [N, 3], and their pool
+    # slots one history after another; decode_* and checks are then empty.
+    native: bool = False
+    lone_rows: torch.Tensor | None = None
+    lone_histories: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> Attention:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -65,7 +71,8 @@ class Attention:
             return tuple((r, n, s.to(device, non_blocking=True), st) for r, n, s, st in parts)
 
         return Attention(move(self.decode_rows), move(self.decode_slots),
-                         move(self.decode_mask), moved(self.chunks), moved(self.checks))
+                         move(self.decode_mask), moved(self.chunks), moved(self.checks),
+                         self.native, move(self.lone_rows), move(self.lone_histories))
 
 
 @attrs.frozen
@@ -87,20 +94,26 @@ class Batch:
 
 def build_batch(items: Iterable[tuple[list[int], int, list[int]]],
                 logit_rows: list[int], block_size: int,
-                checks: Container[int] = ()) -> Batch:
+                checks: Container[int] = (), native: bool = False) -> Batch:
     """``items``: (tokens, start position, block table) per item, in row order.
 
     ``checks``: the indices of items that check a draft. Their rows attend one at a time,
     each exactly as a one-token decode of its position alone does (``_attend``), so that a
     kept draft gives the bits that decoding its tokens one by one gives: the products are
     the same bits for a row in any number of rows (quant.two_rows), and only attention
-    sums otherwise over several queries."""
+    sums otherwise over several queries.
+
+    ``native``: the batch for ``LlamaModel.kernels`` (``LlamaModel.native``), where every
+    decode and check row is a one-token query of its own (``Attention.lone_rows``)."""
     tokens: list[int] = []
     positions: list[torch.Tensor] = []
     slots: list[torch.Tensor] = []
     decode: list[tuple[int, torch.Tensor]] = []
     chunks: list[tuple[int, int, torch.Tensor, int]] = []
     checked: list[tuple[int, int, torch.Tensor, int]] = []
+    lone: list[tuple[int, int, int]] = []  # native: (row, offset, length) per query
+    histories: list[torch.Tensor] = []
+    offset = 0
     for i, (toks, start, table) in enumerate(items):
         row, end = len(tokens), start + len(toks)
         tokens += toks
@@ -109,11 +122,20 @@ def build_batch(items: Iterable[tuple[list[int], int, list[int]]],
             + pos % block_size
         positions.append(pos[start:])
         slots.append(history[start:])
+        if native and (len(toks) == 1 or i in checks):
+            lone += [(row + j, offset, start + j + 1) for j in range(len(toks))]
+            histories.append(history)
+            offset += end
+            continue
         if len(toks) == 1:
             decode.append((row, history))
         else:
             (checked if i in checks else chunks).append((row, len(toks), history, start))
-    if decode:
+    if native:
+        attention = Attention(None, None, None, tuple(chunks), native=True,
+                              lone_rows=torch.tensor(lone, dtype=torch.long).view(-1, 3),
+                              lone_histories=torch.cat(histories) if histories else None)
+    elif decode:
         longest = max(len(h) for _, h in decode)
         padded = torch.zeros(len(decode), longest, dtype=torch.long)
         mask = torch.zeros(len(decode), 1, 1, longest, dtype=torch.bool)
@@ -126,6 +148,16 @@ def build_batch(items: Iterable[tuple[list[int], int, list[int]]],
         attention = Attention(None, None, None, tuple(chunks), tuple(checked))
     return Batch(torch.tensor(tokens, dtype=torch.long), torch.cat(positions),
                  torch.cat(slots), attention, torch.tensor(logit_rows, dtype=torch.long))
+
+
+def native_kernels() -> Any:
+    """The laya_torch_kernels module (plugins/backend_torch/kernels), or None where it is
+    not installed: the eager operations then run every step."""
+    try:
+        import laya_torch_kernels
+    except ImportError:
+        return None
+    return laya_torch_kernels
 
 
 def _stacked(parts: list[Any]) -> Any:
@@ -183,6 +215,18 @@ class LlamaModel:
         self.cos = cos.to(device=device, dtype=dtype)
         self.signed_sin = signed(sin).to(device=device, dtype=dtype)
         self.kv_pool = torch.empty(0)
+        # The small operations in laya_torch_kernels where it can take them: bfloat16 on
+        # the CPU, float32 attention (not ``deterministic``'s float64).
+        self.kernels = None
+        if device.type == "cpu" and dtype == torch.bfloat16 \
+                and attention_dtype == torch.float32 and c.head_dim % 2 == 0:
+            self.kernels = native_kernels()
+
+    @property
+    def native(self) -> bool:
+        """Whether a step can run on ``kernels`` (``build_batch``'s ``native``): they are
+        installed and the model takes them, with a bfloat16 or float16 KV pool."""
+        return self.kernels is not None and self.kv_pool.dtype in (torch.bfloat16, torch.float16)
 
     def _linears(self) -> list[Linear]:
         return [self.lm_head, self.embed, *(m for layer in self.layers
@@ -234,6 +278,10 @@ class LlamaModel:
         ``lora``: the LoRA adapters of the batch's rows (lora.rows_by_adapter)."""
         c = self.config
         pool = self.kv_pool if kv_pool is None else kv_pool
+        if batch.attention.native:
+            if lora:
+                raise ValueError("a native batch takes no LoRA rows (build_batch's native)")
+            return self._forward_native(batch, pool, hidden)
         # index_select, not t[ids]: advanced indexing costs 5 times as much on these small
         # gathers (20 us against 4 for a 150-token history, AMD EPYC), 60 times a step.
         h = self.embed.rows(batch.tokens)
@@ -265,6 +313,52 @@ class LlamaModel:
         rows = h.index_select(0, batch.logit_rows)
         rows = F.rms_norm(rows, (c.hidden_size,), self.norm, c.rms_norm_eps)
         return rows.float() if hidden else self.lm_head(rows).float()
+
+    def _forward_native(self, batch: Batch, pool: torch.Tensor, hidden: bool) -> torch.Tensor:
+        """``forward`` with the small operations between the products in ``kernels``, each
+        run of them one call on bfloat16 rows: 4 calls a layer where eager PyTorch made 32.
+        The residual stream ``h`` is updated in place, and each layer's last add is the next
+        one's first norm."""
+        c, k, a = self.config, self.kernels, batch.attention
+        assert k is not None and pool.dtype in (torch.bfloat16, torch.float16)
+        half = pool.dtype == torch.float16
+        h = self.embed.rows(batch.tokens).contiguous()
+        rows = h.shape[0]
+        x = torch.empty_like(h)
+        attended = torch.empty(rows, self.q_size, dtype=h.dtype, device=h.device)
+        positions, slots = batch.positions.data_ptr(), batch.slots.data_ptr()
+        lone = 0 if a.lone_rows is None else a.lone_rows.shape[0]
+        spec = 0 if a.lone_rows is None else a.lone_rows.data_ptr()
+        histories = 0 if a.lone_histories is None else a.lone_histories.data_ptr()
+        cos, sin = self.cos.data_ptr(), self.signed_sin.data_ptr()
+        threads, scale, eps = torch.get_num_threads(), c.head_dim ** -0.5, c.rms_norm_eps
+        width = c.num_heads + 2 * c.num_kv_heads
+        hp, xp, ap = h.data_ptr(), x.data_ptr(), attended.data_ptr()
+        k.add_rms_norm(hp, 0, self.layers[0].input_norm.data_ptr(), xp, rows, c.hidden_size,
+                       eps)
+        for i, layer in enumerate(self.layers):
+            qkv = layer.qkv(x).contiguous()
+            layer_pool = pool[i]
+            k.rope_store(qkv.data_ptr(), rows, positions, cos, sin, c.num_heads,
+                         c.num_kv_heads, c.head_dim, layer_pool.data_ptr(), half, slots)
+            if lone:
+                k.attend(qkv.data_ptr(), width * c.head_dim, layer_pool.data_ptr(), half, spec,
+                         histories, lone, ap, c.num_heads, c.num_kv_heads, c.head_dim, scale,
+                         threads)
+            if a.chunks:
+                q = qkv.view(rows, width, c.head_dim)[:, :c.num_heads].to(torch.float32)
+                self._attend_chunks(layer_pool, q, a.chunks, attended)
+            o = layer.o(attended)
+            k.add_rms_norm(hp, o.data_ptr(), layer.post_norm.data_ptr(), xp, rows,
+                           c.hidden_size, eps)
+            gate_up = layer.gate_up(x).contiguous()
+            act = torch.empty(rows, gate_up.shape[1] // 2, dtype=h.dtype, device=h.device)
+            k.silu_mul(gate_up.data_ptr(), act.data_ptr(), rows, act.shape[1])
+            down = layer.down(act)
+            norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            k.add_rms_norm(hp, down.data_ptr(), norm.data_ptr(), xp, rows, c.hidden_size, eps)
+        out = x.index_select(0, batch.logit_rows)  # the final norm's, after the last layer
+        return out.float() if hidden else self.lm_head(out).float()
 
     def _attend(self, pool: torch.Tensor, q: torch.Tensor, a: Attention) -> torch.Tensor:
         """Attention output [T, heads x head_dim] for every row of ``q`` [T, heads, dim].
@@ -302,7 +396,15 @@ class LlamaModel:
                 k, v = kvc[:, :kv_heads, :start + j + 1], kvc[:, kv_heads:, :start + j + 1]
                 oj = F.scaled_dot_product_attention(self._grouped(q[row + j:row + j + 1]), k, v)
                 out[row + j] = oj.view(self.q_size)
-        for row, n, slots, start in a.chunks:
+        self._attend_chunks(pool, q, a.chunks, out)
+        return out.to(dtype)
+
+    def _attend_chunks(self, pool: torch.Tensor, q: torch.Tensor,
+                       chunks: tuple[tuple[int, int, torch.Tensor, int], ...],
+                       out: torch.Tensor) -> None:
+        """Each prompt chunk's rows of ``q`` attended causally in one call, into ``out``."""
+        kv_heads = self.config.num_kv_heads
+        for row, n, slots, start in chunks:
             qc = q[row:row + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
             kvc = pool.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
             kc, vc = kvc[:, :kv_heads], kvc[:, kv_heads:]  # [1, kv_heads, end, dim]
@@ -315,7 +417,6 @@ class LlamaModel:
                 oc = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask,
                                                     enable_gqa=True)
             out[row:row + n] = oc[0].transpose(0, 1).reshape(n, self.q_size)
-        return out.to(dtype)
 
     def _grouped(self, q: torch.Tensor) -> torch.Tensor:
         """One-token queries [B, heads, dim] as [B, kv_heads, heads per kv head, dim]: each

@@ -1,0 +1,314 @@
+// A decode step's small operations for the torch backend, on bfloat16 rows.
+//
+// Eager PyTorch spends a few microseconds dispatching each operation, whatever its size: a
+// SmolLM2-135M decode step made about 1,100 of them (36 a layer), and on a 2-vCPU Xeon they
+// cost about 3.5 of its 11-12 ms, more than the int4 products of its 30 layers. Here each run
+// of small operations between two products is one call: a norm (with the residual add before
+// it), the rotary embedding with the K/V write into the paged pool, attention of one-token
+// queries over their histories, and the SwiGLU activation.
+//
+// Every row is computed on its own, the same way in any batch: a row's result depends on its
+// own inputs only, never on how many rows share the call or which thread runs it. So a
+// draft's check, attended row by row here, gives each row the bits of a lone decode.
+// Arithmetic is float32 with one rounding to bfloat16 (round to nearest even) per output.
+//
+// Arguments are raw addresses (torch's data_ptr()) and sizes: the Python side (model.py)
+// checks dtypes, shapes and contiguity before it calls.
+
+#include <nanobind/nanobind.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+namespace nb = nanobind;
+
+namespace {
+
+using bf16 = uint16_t;
+
+inline float to_float(bf16 v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline bf16 to_bf16(float f) {  // round to nearest even, as torch's cast does
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16>((u >> 16) | 0x40);  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<bf16>(u >> 16);
+}
+
+// exp(x) for float32, within 2 ulp over the range used (softmax's x <= 0, SiLU's |x| < 88),
+// written so that loops over it vectorize: 2^(x log2 e) as 2^n (the exponent's bits) times a
+// degree-6 polynomial of 2^f, f in [-0.5, 0.5]. Below -87 it gives 0, above 88 2^127.
+inline float fast_exp(float x) {
+  float y = std::min(std::max(x * 1.44269504088896341f, -127.0f), 127.0f);
+  float n = std::nearbyint(y);
+  float f = y - n;
+  float p = 1.5403530393381606e-4f;
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return n <= -127.0f ? 0.0f : p * scale;
+}
+
+// The KV pool's element: bfloat16 or IEEE half (the KV cache's ``bf16`` and ``f16``).
+inline float load(bf16 v) { return to_float(v); }
+inline float load(_Float16 v) { return static_cast<float>(v); }
+template <typename P>
+P from_bf16(bf16 v);
+template <>
+inline bf16 from_bf16<bf16>(bf16 v) { return v; }
+template <>
+inline _Float16 from_bf16<_Float16>(bf16 v) { return static_cast<_Float16>(to_float(v)); }
+
+// One build per instruction-set level (AVX-512; AVX2 with FMA and F16C; the baseline),
+// picked when the module loads (GCC's function multiversioning). Templates are inlined
+// into these.
+#if defined(__x86_64__)
+#define KERNEL __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define KERNEL
+#endif
+#define INLINE inline __attribute__((always_inline))
+
+KERNEL void add_rms_norm_rows(bf16* h, const bf16* delta, const bf16* weight, bf16* out,
+                              int64_t rows, int64_t dim, float eps) {
+  std::vector<float> x(dim);
+  for (int64_t r = 0; r < rows; ++r) {
+    bf16* hr = h + r * dim;
+    float squares = 0.0f;
+    if (delta) {  // the residual add, rounded to bfloat16 as the stream is kept
+      const bf16* d = delta + r * dim;
+      for (int64_t i = 0; i < dim; ++i) {
+        bf16 sum = to_bf16(to_float(hr[i]) + to_float(d[i]));
+        hr[i] = sum;
+        x[i] = to_float(sum);
+      }
+    } else {
+      for (int64_t i = 0; i < dim; ++i) x[i] = to_float(hr[i]);
+    }
+    for (int64_t i = 0; i < dim; ++i) squares += x[i] * x[i];
+    float scale = 1.0f / std::sqrt(squares / static_cast<float>(dim) + eps);
+    bf16* o = out + r * dim;
+    for (int64_t i = 0; i < dim; ++i) o[i] = to_bf16(x[i] * scale * to_float(weight[i]));
+  }
+}
+
+KERNEL void silu_mul_rows(const bf16* gate_up, bf16* out, int64_t rows, int64_t inner) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const bf16* gate = gate_up + r * 2 * inner;
+    const bf16* up = gate + inner;
+    bf16* o = out + r * inner;
+    for (int64_t i = 0; i < inner; ++i) {
+      float g = to_float(gate[i]);
+      o[i] = to_bf16(g / (1.0f + fast_exp(-g)) * to_float(up[i]));
+    }
+  }
+}
+
+// Rotates the q and k heads of each row of ``qkv`` [rows, (heads + 2 kv_heads) x dim] in
+// place (rotate-half: x cos + roll(x, dim / 2) signed_sin, the tables' rows at the row's
+// position), then copies the row's K and V heads to its pool slot [2 kv_heads, dim].
+template <typename P>
+INLINE void rope_store_rows(bf16* qkv, int64_t rows, const int64_t* positions, const bf16* cos,
+                            const bf16* signed_sin, int64_t heads, int64_t kv_heads,
+                            int64_t dim, P* pool, const int64_t* slots) {
+  const int64_t stride = (heads + 2 * kv_heads) * dim, half = dim / 2;
+  std::vector<float> x(dim);
+  for (int64_t r = 0; r < rows; ++r) {
+    bf16* row = qkv + r * stride;
+    const bf16* c = cos + positions[r] * dim;
+    const bf16* s = signed_sin + positions[r] * dim;
+    for (int64_t h = 0; h < heads + kv_heads; ++h) {
+      bf16* v = row + h * dim;
+      for (int64_t i = 0; i < dim; ++i) x[i] = to_float(v[i]);
+      for (int64_t i = 0; i < half; ++i)
+        v[i] = to_bf16(x[i] * to_float(c[i]) + x[i + half] * to_float(s[i]));
+      for (int64_t i = half; i < dim; ++i)
+        v[i] = to_bf16(x[i] * to_float(c[i]) + x[i - half] * to_float(s[i]));
+    }
+    P* slot = pool + slots[r] * 2 * kv_heads * dim;
+    const bf16* kv = row + heads * dim;
+    for (int64_t i = 0; i < 2 * kv_heads * dim; ++i) slot[i] = from_bf16<P>(kv[i]);
+  }
+}
+
+KERNEL void rope_store_bf16(bf16* qkv, int64_t rows, const int64_t* positions, const bf16* cos,
+                            const bf16* signed_sin, int64_t heads, int64_t kv_heads,
+                            int64_t dim, bf16* pool, const int64_t* slots) {
+  rope_store_rows(qkv, rows, positions, cos, signed_sin, heads, kv_heads, dim, pool, slots);
+}
+
+KERNEL void rope_store_f16(bf16* qkv, int64_t rows, const int64_t* positions, const bf16* cos,
+                           const bf16* signed_sin, int64_t heads, int64_t kv_heads,
+                           int64_t dim, _Float16* pool, const int64_t* slots) {
+  rope_store_rows(qkv, rows, positions, cos, signed_sin, heads, kv_heads, dim, pool, slots);
+}
+
+struct AttendArgs {
+  const bf16* qkv;
+  int64_t qkv_stride;
+  const void* pool;
+  bool half;  // the pool's elements: _Float16, else bf16
+  const int64_t* spec;  // per attended row: its row, the offset of its history, its length
+  const int64_t* histories;
+  bf16* out;
+  int64_t heads, kv_heads, dim;
+  float scale;
+};
+
+// One query row's heads that share K/V head ``g``, over the row's history: softmax(q K^T
+// scale) V, two passes over the history (scores, then the weighted sum of V).
+template <typename P>
+INLINE void attend_head(const AttendArgs& a, const P* pool, int64_t j, int64_t g,
+                        std::vector<float>& scores, std::vector<float>& buffer) {
+  const int64_t row = a.spec[3 * j], length = a.spec[3 * j + 2];
+  const int64_t* history = a.histories + a.spec[3 * j + 1];
+  const int64_t group = a.heads / a.kv_heads, dim = a.dim, slot_size = 2 * a.kv_heads * dim;
+  scores.resize(group * length);
+  buffer.resize((2 * group + 1) * dim);
+  float* q = buffer.data();               // [group, dim], scaled
+  float* acc = q + group * dim;           // [group, dim]
+  float* kv = acc + group * dim;          // [dim]: one K or V row in float32
+  const bf16* qr = a.qkv + row * a.qkv_stride + g * group * dim;
+  for (int64_t i = 0; i < group * dim; ++i) q[i] = to_float(qr[i]) * a.scale;
+  std::vector<float> top(group, -INFINITY);
+  for (int64_t t = 0; t < length; ++t) {
+    const P* k = pool + history[t] * slot_size + g * dim;
+    for (int64_t i = 0; i < dim; ++i) kv[i] = load(k[i]);
+    for (int64_t h = 0; h < group; ++h) {
+      float s = 0.0f;
+      for (int64_t i = 0; i < dim; ++i) s += q[h * dim + i] * kv[i];
+      scores[h * length + t] = s;
+      top[h] = std::max(top[h], s);
+    }
+  }
+  std::vector<float> total(group, 0.0f);
+  for (int64_t h = 0; h < group; ++h) {
+    float* p = scores.data() + h * length;
+    float z = 0.0f;
+    for (int64_t t = 0; t < length; ++t) {
+      p[t] = fast_exp(p[t] - top[h]);
+      z += p[t];
+    }
+    total[h] = z;
+  }
+  std::fill(acc, acc + group * dim, 0.0f);
+  for (int64_t t = 0; t < length; ++t) {
+    const P* v = pool + history[t] * slot_size + (a.kv_heads + g) * dim;
+    for (int64_t i = 0; i < dim; ++i) kv[i] = load(v[i]);
+    for (int64_t h = 0; h < group; ++h) {
+      float p = scores[h * length + t];
+      for (int64_t i = 0; i < dim; ++i) acc[h * dim + i] += p * kv[i];
+    }
+  }
+  bf16* o = a.out + row * a.heads * dim + g * group * dim;
+  for (int64_t h = 0; h < group; ++h)
+    for (int64_t i = 0; i < dim; ++i) o[h * dim + i] = to_bf16(acc[h * dim + i] / total[h]);
+}
+
+KERNEL void attend_range(const AttendArgs& a, int64_t first, int64_t last) {
+  std::vector<float> scores, buffer;
+  for (int64_t task = first; task < last; ++task) {
+    if (a.half)
+      attend_head(a, static_cast<const _Float16*>(a.pool), task / a.kv_heads,
+                  task % a.kv_heads, scores, buffer);
+    else
+      attend_head(a, static_cast<const bf16*>(a.pool), task / a.kv_heads, task % a.kv_heads,
+                  scores, buffer);
+  }
+}
+
+// Below this many multiply-adds a call stays on its thread: starting one costs tens of
+// microseconds, about what 0.5 M multiply-adds take.
+constexpr int64_t kThreadWork = 1 << 21;
+
+void attend(const AttendArgs& a, int64_t n, int64_t threads) {
+  int64_t work = 0;
+  for (int64_t j = 0; j < n; ++j) work += a.spec[3 * j + 2];
+  work *= 2 * a.heads * a.dim;
+  const int64_t tasks = n * a.kv_heads;
+  threads = std::min(threads, tasks);
+  if (threads <= 1 || work < kThreadWork) {
+    attend_range(a, 0, tasks);
+    return;
+  }
+  // Tasks (a row's K/V head) in contiguous shares; each writes its own outputs.
+  std::vector<std::thread> pool;
+  for (int64_t t = 1; t < threads; ++t)
+    pool.emplace_back(attend_range, std::cref(a), tasks * t / threads, tasks * (t + 1) / threads);
+  attend_range(a, 0, tasks / threads);
+  for (auto& t : pool) t.join();
+}
+
+template <typename T>
+T* at(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+}  // namespace
+
+NB_MODULE(laya_torch_kernels, m) {
+  m.doc() = "A decode step's small operations on bfloat16 rows (Laya's torch backend).";
+  m.def(
+      "add_rms_norm",
+      [](uintptr_t h, uintptr_t delta, uintptr_t weight, uintptr_t out, int64_t rows,
+         int64_t dim, float eps) {
+        nb::gil_scoped_release release;
+        add_rms_norm_rows(at<bf16>(h), at<const bf16>(delta), at<const bf16>(weight),
+                          at<bf16>(out), rows, dim, eps);
+      },
+      "h, delta, weight, out, rows, dim, eps: h += delta (when delta is not 0, in place, "
+      "rounded), then out = rms_norm(h) * weight; [rows, dim] bfloat16 each.");
+  m.def(
+      "silu_mul",
+      [](uintptr_t gate_up, uintptr_t out, int64_t rows, int64_t inner) {
+        nb::gil_scoped_release release;
+        silu_mul_rows(at<const bf16>(gate_up), at<bf16>(out), rows, inner);
+      },
+      "gate_up [rows, 2 inner], out [rows, inner]: out = silu(gate) * up.");
+  m.def(
+      "rope_store",
+      [](uintptr_t qkv, int64_t rows, uintptr_t positions, uintptr_t cos, uintptr_t signed_sin,
+         int64_t heads, int64_t kv_heads, int64_t dim, uintptr_t pool, bool half,
+         uintptr_t slots) {
+        nb::gil_scoped_release release;
+        if (half)
+          rope_store_f16(at<bf16>(qkv), rows, at<const int64_t>(positions), at<const bf16>(cos),
+                         at<const bf16>(signed_sin), heads, kv_heads, dim, at<_Float16>(pool),
+                         at<const int64_t>(slots));
+        else
+          rope_store_bf16(at<bf16>(qkv), rows, at<const int64_t>(positions),
+                          at<const bf16>(cos), at<const bf16>(signed_sin), heads, kv_heads, dim,
+                          at<bf16>(pool), at<const int64_t>(slots));
+      },
+      "Rotates each row's q and k heads in place and writes its K and V to pool[slots[row]] "
+      "(float16 elements if half, else bfloat16).");
+  m.def(
+      "attend",
+      [](uintptr_t qkv, int64_t qkv_stride, uintptr_t pool, bool half, uintptr_t spec,
+         uintptr_t histories, int64_t n, uintptr_t out, int64_t heads, int64_t kv_heads,
+         int64_t dim, float scale, int64_t threads) {
+        nb::gil_scoped_release release;
+        AttendArgs a{at<const bf16>(qkv), qkv_stride, at<const void>(pool), half,
+                     at<const int64_t>(spec), at<const int64_t>(histories), at<bf16>(out),
+                     heads, kv_heads, dim, scale};
+        attend(a, n, threads);
+      },
+      "n one-token queries (spec [n, 3]: row, offset into histories, length) over their "
+      "histories' pool slots; each writes out[row].");
+}

@@ -1,0 +1,88 @@
+"""laya_torch_kernels (plugins/backend_torch/kernels) against PyTorch's operations: each
+kernel gives what the eager operations it replaces give, within bfloat16's rounding, on
+bfloat16 and float16 KV pools; attention split over threads gives the bits of one thread."""
+
+from __future__ import annotations
+
+import laya_torch_kernels as kernels
+import pytest
+import torch
+import torch.nn.functional as F
+from laya_backend_torch.rope import cos_sin_table, rotate, signed
+
+BF16 = torch.bfloat16
+
+
+def close(got: torch.Tensor, want: torch.Tensor, ulps: float = 2.0) -> None:
+    """Within ``ulps`` bfloat16 steps (8 bits of mantissa) of the largest magnitude in each
+    row: the eager operations round after each step, the kernels once, and a sum that
+    cancels (a rotation's) keeps the error of its terms."""
+    tolerance = ulps * 2.0 ** -8 * want.float().abs().amax(dim=-1, keepdim=True)
+    assert ((got.float() - want.float()).abs() <= tolerance).all(), \
+        (got.float() - want.float()).abs().max()
+
+
+def test_add_rms_norm() -> None:
+    torch.manual_seed(0)
+    h, delta = torch.randn(5, 576, dtype=BF16), torch.randn(5, 576, dtype=BF16)
+    weight = torch.randn(576, dtype=BF16)
+    out = torch.empty_like(h)
+    summed = h + delta
+    kernels.add_rms_norm(h.data_ptr(), delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                         5, 576, 1e-5)
+    assert torch.equal(h, summed)  # the residual stream, updated in place
+    close(out, F.rms_norm(summed.float(), (576,), weight.float(), 1e-5))
+    again = torch.empty_like(h)  # without a delta: the norm alone, h untouched
+    kernels.add_rms_norm(h.data_ptr(), 0, weight.data_ptr(), again.data_ptr(), 5, 576, 1e-5)
+    assert torch.equal(h, summed) and torch.equal(again, out)
+
+
+def test_silu_mul() -> None:
+    torch.manual_seed(1)
+    gate_up = torch.randn(3, 2 * 1536, dtype=BF16) * 4
+    out = torch.empty(3, 1536, dtype=BF16)
+    kernels.silu_mul(gate_up.data_ptr(), out.data_ptr(), 3, 1536)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    close(out, F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float16])
+def test_rope_store_and_attend(pool_dtype: torch.dtype) -> None:
+    """Three one-token queries over histories of 1, 40 and 300 pool slots (scattered), with
+    9 query heads on 3 K/V heads, against the eager rotation and scaled_dot_product_attention."""
+    torch.manual_seed(2)
+    heads, kv_heads, dim = 9, 3, 64
+    cos, sin = cos_sin_table(dim, 100000.0, None, 512, torch.float32)
+    cos, ssin = cos.to(BF16), signed(sin).to(BF16)
+    pool = torch.randn(1024, 2 * kv_heads, dim).to(pool_dtype)
+    lengths = [1, 40, 300]
+    histories = [torch.randperm(1024)[:n] for n in lengths]
+    positions = torch.tensor([n - 1 for n in lengths])
+    slots = torch.stack([h[-1] for h in histories])
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * dim, dtype=BF16)
+    eager = qkv.view(3, -1, dim)
+    rotated = rotate(eager[:, :heads + kv_heads], cos[positions].unsqueeze(1),
+                     ssin[positions].unsqueeze(1))
+    kv = torch.cat((rotated[:, heads:], eager[:, heads + kv_heads:]), dim=1)
+    half = pool_dtype == torch.float16
+    kernels.rope_store(qkv.data_ptr(), 3, positions.data_ptr(), cos.data_ptr(), ssin.data_ptr(),
+                       heads, kv_heads, dim, pool.data_ptr(), half, slots.data_ptr())
+    close(qkv.view(3, -1, dim)[:, :heads + kv_heads], rotated)
+    close(pool[slots], kv.to(pool_dtype))
+    spec = torch.tensor([[r, sum(lengths[:r]), n] for r, n in enumerate(lengths)])
+    flat = torch.cat(histories)
+    out = torch.zeros(3, heads * dim, dtype=BF16)
+    for threads in (1, 2):  # 2: above the threshold (300 keys), split over two threads
+        got = torch.zeros_like(out)
+        kernels.attend(qkv.data_ptr(), qkv.shape[1], pool.data_ptr(), half, spec.data_ptr(),
+                       flat.data_ptr(), 3, got.data_ptr(), heads, kv_heads, dim, dim ** -0.5,
+                       threads)
+        if threads == 1:
+            out = got
+        assert torch.equal(got, out), threads
+    q = qkv.view(3, -1, dim)[:, :heads].float()
+    for r, history in enumerate(histories):
+        k = pool[history].float().transpose(0, 1).unsqueeze(0)  # [1, 2 kv_heads, n, dim]
+        want = F.scaled_dot_product_attention(q[r].view(1, heads, 1, dim), k[:, :kv_heads],
+                                              k[:, kv_heads:], enable_gqa=True)
+        close(out[r], want.view(-1), ulps=4)
