@@ -171,66 +171,140 @@ struct AttendArgs {
   float scale;
 };
 
+// Sixteen floats as one value (GCC's vector extensions): one zmm register with AVX-512, two
+// ymm with AVX2, four xmm on the baseline, from the same source in each clone.
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+// IEEE half to float by integer operations, which vectorize (GCC 12 converts _Float16
+// vectors one element at a time): the exponent and mantissa moved to a float's places and
+// multiplied by 2^112, the difference of the two exponent biases, which also makes a half's
+// subnormals the floats they stand for; infinity and NaN get the float's all-ones exponent.
+INLINE f32x16 load16(const _Float16* p) {
+  u16x16 h;
+  std::memcpy(&h, p, sizeof h);
+  const u32x16 w = __builtin_convertvector(h, u32x16);
+  const u32x16 magnitude = (w & 0x7fffu) << 13;
+  f32x16 f;
+  std::memcpy(&f, &magnitude, sizeof f);
+  f *= 0x1p112f;
+  u32x16 bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  const u32x16 special = (w & 0x7c00u) == 0x7c00u;  // all ones where infinity or NaN
+  bits |= ((w & 0x8000u) << 16) | (special & 0x7f800000u);
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+INLINE f32x16 load16(const bf16* p) {  // bfloat16: the float's upper half
+  u16x16 h;
+  std::memcpy(&h, p, sizeof h);
+  u32x16 wide = __builtin_convertvector(h, u32x16) << 16;
+  f32x16 f;
+  std::memcpy(&f, &wide, sizeof f);
+  return f;
+}
+
+INLINE float sum16(f32x16 v) {
+  float total = 0.0f;
+  for (int i = 0; i < 16; ++i) total += v[i];
+  return total;
+}
+
+// The largest query heads a K/V head (group) and head size (in sixteens) ``attend`` takes;
+// model.py keeps larger ones on PyTorch's attention.
+constexpr int kMaxGroup = 16, kMaxChunks = 16;
+
 // One query row's heads that share K/V head ``g``, over the row's history: softmax(q K^T
-// scale) V, two passes over the history (scores, then the weighted sum of V).
-template <typename P>
+// scale) V, two passes over the history (scores, then the weighted sum of V). ``C``: the
+// head size in sixteens of floats where it is known when compiling (64 and 128: whole
+// registers, held across the history), else 0 and ``a.dim`` one float at a time.
+template <typename P, int C>
 INLINE void attend_head(const AttendArgs& a, const P* pool, int64_t j, int64_t g,
-                        std::vector<float>& scores, std::vector<float>& buffer) {
+                        std::vector<float>& scores) {
   const int64_t row = a.spec[3 * j], length = a.spec[3 * j + 2];
   const int64_t* history = a.histories + a.spec[3 * j + 1];
-  const int64_t group = a.heads / a.kv_heads, dim = a.dim, slot_size = 2 * a.kv_heads * dim;
+  const int64_t group = a.heads / a.kv_heads, dim = C ? 16 * C : a.dim;
+  const int64_t slot_size = 2 * a.kv_heads * dim, chunks = (dim + 15) / 16;
   scores.resize(group * length);
-  buffer.resize((2 * group + 1) * dim);
-  float* q = buffer.data();               // [group, dim], scaled
-  float* acc = q + group * dim;           // [group, dim]
-  float* kv = acc + group * dim;          // [dim]: one K or V row in float32
+  alignas(64) f32x16 q[kMaxGroup * kMaxChunks];    // [group, chunks], scaled
+  alignas(64) f32x16 acc[kMaxGroup * kMaxChunks];  // [group, chunks]
+  float* s = scores.data();                        // [group, length]
   const bf16* qr = a.qkv + row * a.qkv_stride + g * group * dim;
-  for (int64_t i = 0; i < group * dim; ++i) q[i] = to_float(qr[i]) * a.scale;
-  std::vector<float> top(group, -INFINITY);
+  for (int64_t h = 0; h < group; ++h)
+    for (int64_t i = 0; i < chunks * 16; ++i)
+      q[h * chunks + i / 16][i % 16] = i < dim ? to_float(qr[h * dim + i]) * a.scale : 0.0f;
+  float top[kMaxGroup], total[kMaxGroup];
+  for (int64_t h = 0; h < group; ++h) top[h] = -INFINITY;
   for (int64_t t = 0; t < length; ++t) {
     const P* k = pool + history[t] * slot_size + g * dim;
-    for (int64_t i = 0; i < dim; ++i) kv[i] = load(k[i]);
     for (int64_t h = 0; h < group; ++h) {
-      float s = 0.0f;
-      for (int64_t i = 0; i < dim; ++i) s += q[h * dim + i] * kv[i];
-      scores[h * length + t] = s;
-      top[h] = std::max(top[h], s);
+      float dot;
+      if constexpr (C > 0) {
+        f32x16 d = q[h * C] * load16(k);
+        for (int c = 1; c < C; ++c) d += q[h * C + c] * load16(k + 16 * c);
+        dot = sum16(d);
+      } else {
+        dot = 0.0f;
+        for (int64_t i = 0; i < dim; ++i) dot += q[h * chunks + i / 16][i % 16] * load(k[i]);
+      }
+      s[h * length + t] = dot;
+      top[h] = std::max(top[h], dot);
     }
   }
-  std::vector<float> total(group, 0.0f);
   for (int64_t h = 0; h < group; ++h) {
-    float* p = scores.data() + h * length;
+    float* p = s + h * length;
+    const float m = top[h];
     float z = 0.0f;
     for (int64_t t = 0; t < length; ++t) {
-      p[t] = fast_exp(p[t] - top[h]);
+      p[t] = fast_exp(p[t] - m);
       z += p[t];
     }
     total[h] = z;
   }
-  std::fill(acc, acc + group * dim, 0.0f);
+  for (int64_t i = 0; i < group * chunks; ++i) acc[i] = f32x16{};
   for (int64_t t = 0; t < length; ++t) {
     const P* v = pool + history[t] * slot_size + (a.kv_heads + g) * dim;
-    for (int64_t i = 0; i < dim; ++i) kv[i] = load(v[i]);
-    for (int64_t h = 0; h < group; ++h) {
-      float p = scores[h * length + t];
-      for (int64_t i = 0; i < dim; ++i) acc[h * dim + i] += p * kv[i];
+    if constexpr (C > 0) {
+      f32x16 vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = load16(v + 16 * c);
+      for (int64_t h = 0; h < group; ++h) {
+        const float p = s[h * length + t];
+        for (int c = 0; c < C; ++c) acc[h * C + c] += p * vv[c];
+      }
+    } else {
+      for (int64_t h = 0; h < group; ++h) {
+        const float p = s[h * length + t];
+        for (int64_t i = 0; i < dim; ++i) acc[h * chunks + i / 16][i % 16] += p * load(v[i]);
+      }
     }
   }
   bf16* o = a.out + row * a.heads * dim + g * group * dim;
   for (int64_t h = 0; h < group; ++h)
-    for (int64_t i = 0; i < dim; ++i) o[h * dim + i] = to_bf16(acc[h * dim + i] / total[h]);
+    for (int64_t i = 0; i < dim; ++i)
+      o[h * dim + i] = to_bf16(acc[h * chunks + i / 16][i % 16] / total[h]);
+}
+
+template <typename P>
+INLINE void attend_tasks(const AttendArgs& a, const P* pool, int64_t first, int64_t last) {
+  std::vector<float> scores;
+  for (int64_t task = first; task < last; ++task) {
+    const int64_t j = task / a.kv_heads, g = task % a.kv_heads;
+    if (a.dim == 64)
+      attend_head<P, 4>(a, pool, j, g, scores);
+    else if (a.dim == 128)
+      attend_head<P, 8>(a, pool, j, g, scores);
+    else
+      attend_head<P, 0>(a, pool, j, g, scores);
+  }
 }
 
 KERNEL void attend_range(const AttendArgs& a, int64_t first, int64_t last) {
-  std::vector<float> scores, buffer;
-  for (int64_t task = first; task < last; ++task) {
-    if (a.half)
-      attend_head(a, static_cast<const _Float16*>(a.pool), task / a.kv_heads,
-                  task % a.kv_heads, scores, buffer);
-    else
-      attend_head(a, static_cast<const bf16*>(a.pool), task / a.kv_heads, task % a.kv_heads,
-                  scores, buffer);
-  }
+  if (a.half)
+    attend_tasks(a, static_cast<const _Float16*>(a.pool), first, last);
+  else
+    attend_tasks(a, static_cast<const bf16*>(a.pool), first, last);
 }
 
 // Below this many multiply-adds a call stays on its thread: starting one costs tens of
