@@ -86,3 +86,26 @@ def test_rope_store_and_attend(pool_dtype: torch.dtype) -> None:
         want = F.scaled_dot_product_attention(q[r].view(1, heads, 1, dim), k[:, :kv_heads],
                                               k[:, kv_heads:], enable_gqa=True)
         close(out[r], want.view(-1), ulps=4)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float16])
+def test_a_single_key_gives_its_value_exactly(pool_dtype: torch.dtype) -> None:
+    """Over one key the softmax is 1, so the output is that key's V to the bit: the pool's
+    elements are read exactly, float16's subnormals, largest values and signs included."""
+    heads, kv_heads, dim = 9, 3, 64
+    pool = torch.zeros(4, 2 * kv_heads, dim, dtype=pool_dtype)
+    info = torch.finfo(pool_dtype)
+    special = torch.tensor([info.tiny / 4, -info.tiny / 2, info.tiny, -info.max, info.max,
+                            0.0, -0.0, 1.0], dtype=torch.float64)
+    torch.manual_seed(3)
+    v = torch.randn(kv_heads, dim, dtype=torch.float64)
+    v[0, :len(special)] = special
+    pool[2, kv_heads:] = v.to(pool_dtype)
+    qkv = torch.randn(1, (heads + 2 * kv_heads) * dim, dtype=BF16)
+    out = torch.empty(1, heads * dim, dtype=BF16)
+    spec, history = torch.tensor([[0, 0, 1]]), torch.tensor([2])
+    kernels.attend(qkv.data_ptr(), qkv.shape[1], pool.data_ptr(), pool_dtype == torch.float16,
+                   spec.data_ptr(), history.data_ptr(), 1, out.data_ptr(), heads, kv_heads,
+                   dim, dim ** -0.5, 1)
+    want = pool[2, kv_heads:].float().repeat_interleave(heads // kv_heads, dim=0).to(BF16)
+    assert torch.equal(out.view(heads, dim), want)
