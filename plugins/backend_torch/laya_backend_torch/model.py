@@ -10,6 +10,11 @@ call; a prefill chunk attends alone, causally from its start position; and the r
 draft's check that the backend names (``build_batch``'s ``checks``) one call each, every
 row as a lone decode of its position.
 
+On the CPU in bfloat16 the small operations between the products run in laya_torch_kernels
+(``_forward_native``, ``build_batch``'s ``native``): four calls a layer, and every one-token
+query, a decode's or a check's row, attends over its own history, so that a row's logits
+are the same bits in any batch. Prompt chunks still attend through PyTorch.
+
 Covers RMSNorm, rotary embeddings (``rope.py``), grouped-query attention, the SwiGLU MLP,
 tied embeddings and Qwen2's q/k/v biases. Weights are in the compute dtype (float32 or
 bfloat16/float16), int8 per output channel (``quant.Int8Linear``), or the layers' in int4
@@ -216,10 +221,12 @@ class LlamaModel:
         self.signed_sin = signed(sin).to(device=device, dtype=dtype)
         self.kv_pool = torch.empty(0)
         # The small operations in laya_torch_kernels where it can take them: bfloat16 on
-        # the CPU, float32 attention (not ``deterministic``'s float64).
+        # the CPU, float32 attention (not ``deterministic``'s float64), up to 16 query
+        # heads a K/V head and heads of up to 256 (its kMaxGroup and kMaxChunks).
         self.kernels = None
         if device.type == "cpu" and dtype == torch.bfloat16 \
-                and attention_dtype == torch.float32 and c.head_dim % 2 == 0:
+                and attention_dtype == torch.float32 and c.head_dim % 2 == 0 \
+                and c.head_dim <= 256 and c.num_heads // c.num_kv_heads <= 16:
             self.kernels = native_kernels()
 
     @property
@@ -348,13 +355,13 @@ class LlamaModel:
             if a.chunks:
                 q = qkv.view(rows, width, c.head_dim)[:, :c.num_heads].to(torch.float32)
                 self._attend_chunks(layer_pool, q, a.chunks, attended)
-            o = layer.o(attended)
+            o = layer.o(attended).contiguous()
             k.add_rms_norm(hp, o.data_ptr(), layer.post_norm.data_ptr(), xp, rows,
                            c.hidden_size, eps)
             gate_up = layer.gate_up(x).contiguous()
             act = torch.empty(rows, gate_up.shape[1] // 2, dtype=h.dtype, device=h.device)
             k.silu_mul(gate_up.data_ptr(), act.data_ptr(), rows, act.shape[1])
-            down = layer.down(act)
+            down = layer.down(act).contiguous()
             norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             k.add_rms_norm(hp, down.data_ptr(), norm.data_ptr(), xp, rows, c.hidden_size, eps)
         out = x.index_select(0, batch.logit_rows)  # the final norm's, after the last layer
