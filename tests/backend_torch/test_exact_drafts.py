@@ -14,7 +14,8 @@ from collections.abc import Container, Iterator
 import pytest
 import torch
 from laya_backend_torch.backend import TorchBackend
-from laya_backend_torch.model import LlamaModel, build_batch
+from laya_backend_torch.batch import build_batch
+from laya_backend_torch.model import LlamaModel
 
 from laya_core.backend import ModelConfig, StepItem
 from laya_core.builtin.model_paths import embedded_file

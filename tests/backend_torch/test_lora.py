@@ -25,7 +25,7 @@ from laya_backend_torch.backend import TorchBackend
 from laya_backend_torch import lora as torch_lora
 from laya_backend_torch.checkpoint import open_checkpoint
 from laya_backend_torch.lora import rows_by_adapter
-from laya_backend_torch.model import build_batch
+from laya_backend_torch.batch import build_batch
 from lora_adapters import ANSWER, cached_adapters, chat, generate, scaled
 from torch_fixtures import *  # noqa: F403 - the fixtures (torch_fixtures.py)
 from torch_fixtures import own_pool

@@ -152,7 +152,7 @@ def laya_logits(folder: Path, prompts: list[list[int]],
     """Every position's logits of each prompt, prefilled alone by the torch backend with
     its defaults (quantized layers through the integer kernels, bfloat16 activations)."""
     from laya_backend_torch.backend import TorchBackend
-    from laya_backend_torch.model import build_batch
+    from laya_backend_torch.batch import build_batch
 
     from laya_core.backend import ModelConfig
 
@@ -322,7 +322,7 @@ def test_a_cuda_device_serves_act_order_gptq_as_the_cpu_does(
     (``quantize = "auto"``); its logits must agree with the CPU's int4 kernel as gptqmodel's
     do (the same bounds)."""
     from laya_backend_torch.backend import TorchBackend
-    from laya_backend_torch.model import build_batch
+    from laya_backend_torch.batch import build_batch
 
     from laya_core.backend import ModelConfig
 

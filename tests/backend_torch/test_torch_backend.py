@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 from laya_backend_torch.backend import TorchBackend
-from laya_backend_torch.model import LlamaModel, build_batch
+from laya_backend_torch.batch import build_batch
+from laya_backend_torch.model import LlamaModel
 from torch_fixtures import *  # noqa: E402, F403 - the fixtures (torch_fixtures.py)
 from torch_fixtures import PROMPTS, own_pool  # noqa: E402
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from laya_backend_torch.checkpoint import open_checkpoint
-from laya_backend_torch.model import LlamaModel, build_batch
+from laya_backend_torch.batch import build_batch
+from laya_backend_torch.model import LlamaModel
 from laya_backend_torch.quant import ALIKE_ROWS, Int4Linear
 from laya_backend_torch.tokenizer import HFTokenizer, load_tokenizer
 

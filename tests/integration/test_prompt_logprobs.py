@@ -74,7 +74,8 @@ def torch_reference(dtype: str, quantize: str) -> Reference:
     f16 KV cache, each prompt in one pass of every row."""
     import torch
     from laya_backend_torch.checkpoint import open_checkpoint
-    from laya_backend_torch.model import LlamaModel, build_batch
+    from laya_backend_torch.batch import build_batch
+    from laya_backend_torch.model import LlamaModel
 
     checkpoint = open_checkpoint(embedded_file("smollm2-135m-instruct"))
     tensors = checkpoint.tensors(as_stored=quantize == "int4")  # as the backend reads them

@@ -59,7 +59,8 @@ def warm_up(config: ModelConfig) -> None:
     import torch
     from laya_backend_torch import options
     from laya_backend_torch.checkpoint import read_header
-    from laya_backend_torch.model import LlamaModel, build_batch
+    from laya_backend_torch.batch import build_batch
+    from laya_backend_torch.model import LlamaModel
 
     shape, stored = read_header(config.path)
     chosen = options.choose(config.options, stored)

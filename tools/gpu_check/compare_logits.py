@@ -74,7 +74,7 @@ def direct_logits(engine: Any) -> tuple[list[Any], list[list[int]]]:
     """Every position's logits of each prompt, each prefilled alone in one forward pass of
     the engine's model; and the prompts."""
     import torch
-    from laya_backend_torch.model import build_batch
+    from laya_backend_torch.batch import build_batch
 
     asked = prompts(engine.backend.tokenizer())
     model = engine.backend._model

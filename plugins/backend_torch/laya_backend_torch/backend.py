@@ -229,7 +229,7 @@ class TorchBackend(Backend):
         as a prompt chunk of its own input. The scratch is handed out a slot per token
         (a block table with blocks of one), so the inputs begun at once, at most
         max_seq_len tokens together, always fit it."""
-        from laya_backend_torch.model import build_batch
+        from laya_backend_torch.batch import build_batch
 
         torch = self._torch
         for seq in plan.dropped:
@@ -304,7 +304,7 @@ class TorchBackend(Backend):
         self._adapters.free(seq_id)
 
     def step(self, items: Sequence[StepItem]) -> list[StepResult]:
-        from laya_backend_torch.model import build_batch
+        from laya_backend_torch.batch import build_batch
         from laya_backend_torch.sampling import sample_rows
 
         torch = self._torch
