@@ -121,3 +121,16 @@ def test_a_sequence_alone_answers_alike_with_drafts(native: bool) -> None:
         kept = [result.sample, *result.accepted]
         assert [s.token_id for s in kept] == [s.token_id for s in solo]
         assert [s.logprob for s in kept] == [s.logprob for s in solo], f"beside {beside}"
+
+
+def test_on_the_kernels_an_index_out_of_range_is_an_error() -> None:
+    """The kernels index the pool without bounds checks of their own: a slot or position
+    outside it is refused before they run, as PyTorch's index_select refuses it."""
+    before = torch.get_num_threads()
+    model = loaded(1, True)._model
+    torch.set_num_threads(before)
+    slots = model.kv_pool.shape[1]
+    positions = model.cos.shape[0]
+    for table, start in (([slots // 16], 0), (list(range(positions // 16 + 1)), positions)):
+        with pytest.raises(IndexError, match="out of range"):
+            forward(model, [([5], start, table)], [0])

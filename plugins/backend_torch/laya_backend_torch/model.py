@@ -222,6 +222,15 @@ class LlamaModel:
         one's first norm."""
         c, k, a = self.config, self.kernels, batch.attention
         assert k is not None and pool.dtype in (torch.bfloat16, torch.float16)
+        # The kernels index the tables and the pool by these without bounds checks, where
+        # PyTorch's index_select would raise: a wrong index must stay an error, not a write
+        # into another sequence's memory.
+        slots_read = batch.slots if a.lone_histories is None \
+            else torch.cat((batch.slots, a.lone_histories))
+        if int(batch.positions.max()) >= self.cos.shape[0] or int(slots_read.min()) < 0 \
+                or int(slots_read.max()) >= pool.shape[1]:
+            raise IndexError(f"a position or pool slot out of range: positions up to "
+                             f"{self.cos.shape[0]}, slots up to {pool.shape[1]}")
         half = pool.dtype == torch.float16
         h = self.embed.rows(batch.tokens).contiguous()
         rows = h.shape[0]

@@ -47,7 +47,8 @@ inline bf16 to_bf16(float f) {  // round to nearest even, as torch's cast does
 
 // exp(x) for float32, within 2 ulp over the range used (softmax's x <= 0, SiLU's |x| < 88),
 // written so that loops over it vectorize: 2^(x log2 e) as 2^n (the exponent's bits) times a
-// degree-6 polynomial of 2^f, f in [-0.5, 0.5]. Below -87 it gives 0, above 88 2^127.
+// degree-6 polynomial of 2^f, f in [-0.5, 0.5]. Below about -88 it gives 0 (2^-127 and
+// under), above 88 about 2^127.
 inline float fast_exp(float x) {
   float y = std::min(std::max(x * 1.44269504088896341f, -127.0f), 127.0f);
   float n = std::nearbyint(y);
