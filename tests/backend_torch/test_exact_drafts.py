@@ -134,3 +134,17 @@ def test_on_the_kernels_an_index_out_of_range_is_an_error() -> None:
     for table, start in (([slots // 16], 0), (list(range(positions // 16 + 1)), positions)):
         with pytest.raises(IndexError, match="out of range"):
             forward(model, [([5], start, table)], [0])
+
+
+@pytest.mark.parametrize(("options", "reason"), [
+    ({"deterministic": True}, "off: deterministic attends in float64"),
+    ({"dtype": "float32"}, "off: they take bfloat16 on the CPU")])
+def test_kernels_say_why_they_are_off(options: dict[str, object], reason: str) -> None:
+    """/ready's ``kernels`` names why a replica runs PyTorch's operations instead."""
+    before = torch.get_num_threads()
+    backend = TorchBackend(ModelConfig(
+        name="m", backend="torch", path=embedded_file("smollm2-135m-instruct"),
+        max_seq_len=256, max_num_seqs=1, options={"n_threads": 1, **options}))
+    backend.load_weights()
+    torch.set_num_threads(before)
+    assert backend.describe()["kernels"] == reason

@@ -162,9 +162,10 @@ class TorchBackend(Backend):
             "deterministic": chosen.deterministic,
             "embedding_pooling": self.pooling,
             "batch_invariant": row_exact and chosen.deterministic,
-            # Whether drafts change no output: a sequence decoding alone gets a lone decode's
-            # bits for a check's rows (model.build_batch's checks, _checks), so a kept
-            # draft is what decoding one token at a time gives.
+            # Whether drafts change no output: a check's rows get a lone decode's bits
+            # (batch.build_batch's checks, _checks: every check on the kernels, a lone
+            # sequence's on PyTorch's attention), so a kept draft is what decoding one token
+            # at a time gives.
             "exact_drafts": row_exact,
             "lora": {name: {"path": str(w_path), "bytes": self._adapters.loaded[name].nbytes}
                      for name, w_path in self.config.lora.items()},
@@ -180,15 +181,13 @@ class TorchBackend(Backend):
             special_tokens=tok.special_tokens)
 
     def _kernels_report(self) -> str:
-        model = self._model
-        if model.kernels is not None:
-            return "laya_torch_kernels (steps without LoRA rows)" if self.config.kv_cache_dtype \
-                != "f32" else "off: they take a 16-bit KV cache"
-        if self._device.type != "cpu" or model.dtype != self._torch.bfloat16:
-            return "off: they take bfloat16 on the CPU"
-        if model.attention_dtype != self._torch.float32:
-            return "off: deterministic attends in float64"
-        return "off: laya_torch_kernels is not installed (pip install plugins/backend_torch/kernels)"
+        """/ready's ``kernels``: whether laya_torch_kernels runs the steps, else why not
+        (the model's ``kernels_off``, or this replica's KV cache)."""
+        if self._model.kernels_off:
+            return f"off: {self._model.kernels_off}"
+        if self.config.kv_cache_dtype == "f32":
+            return "off: they take a 16-bit KV cache (kv_cache_dtype f16 or bf16)"
+        return "laya_torch_kernels (steps without LoRA rows)"
 
     def load_adapter(self, name: str, path: str) -> None:
         weights = self._adapters.load(name, path)

@@ -114,14 +114,28 @@ class LlamaModel:
         self.cos = cos.to(device=device, dtype=dtype)
         self.signed_sin = signed(sin).to(device=device, dtype=dtype)
         self.kv_pool = torch.empty(0)
-        # The small operations in laya_torch_kernels where it can take them: bfloat16 on
-        # the CPU, float32 attention (not ``deterministic``'s float64), up to 16 query
-        # heads a K/V head and heads of up to 256 (its kMaxGroup and kMaxChunks).
-        self.kernels = None
-        if device.type == "cpu" and dtype == torch.bfloat16 \
-                and attention_dtype == torch.float32 and c.head_dim % 2 == 0 \
-                and c.head_dim <= 256 and c.num_heads // c.num_kv_heads <= 16:
-            self.kernels = native_kernels()
+        # The small operations in laya_torch_kernels where it can take them, else why not
+        # (``kernels_off``, which /ready's ``kernels`` shows).
+        self.kernels_off = self._kernels_off(device, dtype, attention_dtype)
+        self.kernels = None if self.kernels_off else native_kernels()
+        if not self.kernels_off and self.kernels is None:
+            self.kernels_off = ("laya_torch_kernels is not installed (pip install "
+                                "plugins/backend_torch/kernels)")
+
+    def _kernels_off(self, device: torch.device, dtype: torch.dtype,
+                     attention_dtype: torch.dtype) -> str:
+        """Why the kernels cannot run this model, or "" where they can: bfloat16 on the
+        CPU, float32 attention (not ``deterministic``'s float64), up to 16 query heads a
+        K/V head and heads of up to 256, even (attend's kMaxGroup and kMaxChunks)."""
+        c = self.config
+        if device.type != "cpu" or dtype != torch.bfloat16:
+            return "they take bfloat16 on the CPU"
+        if attention_dtype != torch.float32:
+            return "deterministic attends in float64"
+        if c.head_dim % 2 or c.head_dim > 256 or c.num_heads // c.num_kv_heads > 16:
+            return (f"they take heads of up to 256 and up to 16 query heads a K/V head "
+                    f"(this model: {c.head_dim}, {c.num_heads // c.num_kv_heads})")
+        return ""
 
     @property
     def native(self) -> bool:
