@@ -64,8 +64,8 @@ $(STAMP): pyproject.toml plugins/backend_llamacpp/pyproject.toml plugins/backend
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	# llama.cpp: llama-cpp-python compiled from its sources with Laya's patches to llama.cpp
 	# (plugins/backend_llamacpp/patches/: a Q4_1 kernel for several rows at once, attention
-	# whose rows are a one-row decode's, sixteen of its outputs a call, and its cells rounded to
-	# 64 rather than 256), its wheel
+	# whose rows are a one-row decode's, sixteen of its outputs a call, its cells rounded to
+	# 64 rather than 256, and weights prefetched ahead of their products), its wheel
 	# kept under ~/.cache/laya for the next install on this CPU. Installed before Laya, whose
 	# pin (==0.3.36) the patched build (0.3.36+laya.q41gemm.rowexact) satisfies.
 	$(call compiling,llama.cpp,$(BIN)/python plugins/backend_llamacpp/build_llama_cpp.py \

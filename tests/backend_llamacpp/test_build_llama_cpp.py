@@ -56,10 +56,13 @@ def test_a_diff_of_two_files_ends_each_hunk_at_its_counted_lines(tmp_path: Path)
 def test_the_patches_name_the_file_they_change() -> None:
     files = {p.name: p.read_text() for p in build.PATCHES}
     assert sorted(files) == ["exact-attention-rows.patch", "f16-dot-rows.patch",
-                             "kv-cells-pad.patch", "q4_1-gemm.patch"]
+                             "kv-cells-pad.patch", "prefetch-weights.patch",
+                             "q4_1-gemm.patch"]
     for name in ("ggml-cpu.c", "vec.h", "vec.cpp"):
         assert f"+++ b/vendor/llama.cpp/ggml/src/ggml-cpu/{name}" in files["f16-dot-rows.patch"]
     assert "+++ b/vendor/llama.cpp/src/llama-kv-cache.cpp" in files["kv-cells-pad.patch"]
+    assert "+++ b/vendor/llama.cpp/ggml/src/ggml-cpu/arch/x86/quants.c" in \
+        files["prefetch-weights.patch"]
     assert "+++ b/vendor/llama.cpp/ggml/src/ggml-cpu/llamafile/sgemm.cpp" in files["q4_1-gemm.patch"]
     assert "+++ b/vendor/llama.cpp/ggml/src/ggml-cpu/ggml-cpu.c" in \
         files["exact-attention-rows.patch"]
