@@ -123,6 +123,29 @@ def test_a_sequence_alone_answers_alike_with_drafts(native: bool) -> None:
         assert [s.logprob for s in kept] == [s.logprob for s in solo], f"beside {beside}"
 
 
+def test_the_model_takes_the_head_where_it_can() -> None:
+    """The int8 output head runs on the kernels where the CPU has AVX512-VNNI (/ready says
+    so), and its logits are torch's product's within bfloat16's rounding; elsewhere the
+    model keeps torch's."""
+    import laya_torch_kernels
+
+    before = torch.get_num_threads()
+    backend = loaded(2, True)
+    model = backend._model
+    supported = laya_torch_kernels.head_supported()
+    assert model.native_head is supported
+    assert ("the int8 output head too" in backend.describe()["kernels"]) is supported
+    table = list(range(16))
+    items = [(PROMPT[:40], 0, table)]
+    kernel_logits = forward(model, items, [39])
+    model.native_head = False
+    torch_logits = forward(model, items, [39])
+    torch.set_num_threads(before)
+    step = 2.0 ** -7 * torch_logits.abs().amax()
+    assert ((kernel_logits - torch_logits).abs() <= step).all()
+    assert kernel_logits.argmax() == torch_logits.argmax()
+
+
 def test_on_the_kernels_an_index_out_of_range_is_an_error() -> None:
     """The kernels index the pool without bounds checks of their own: a slot or position
     outside it is refused before they run, as PyTorch's index_select refuses it."""

@@ -1,6 +1,8 @@
 """laya_torch_kernels (plugins/backend_torch/kernels) against PyTorch's operations: each
 kernel gives what the eager operations it replaces give, within bfloat16's rounding, on
-bfloat16 and float16 KV pools; attention split over threads gives the bits of one thread."""
+bfloat16 and float16 KV pools; attention split over threads gives the bits of one thread.
+The int8 output head runs on CPUs with AVX512-VNNI (both kinds CI runs on); elsewhere the
+model keeps torch's product, which the last test checks."""
 
 from __future__ import annotations
 
@@ -109,3 +111,34 @@ def test_a_single_key_gives_its_value_exactly(pool_dtype: torch.dtype) -> None:
                    dim, dim ** -0.5, 1)
     want = pool[2, kv_heads:].float().repeat_interleave(heads // kv_heads, dim=0).to(BF16)
     assert torch.equal(out.view(heads, dim), want)
+
+
+def head(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, threads: int) -> torch.Tensor:
+    out = torch.empty(x.shape[0], w.shape[0])
+    kernels.head_int8(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), scales.data_ptr(),
+                      out.data_ptr(), w.shape[0], threads)
+    return out
+
+
+@pytest.mark.skipif(not kernels.head_supported(), reason="this CPU lacks AVX512-VNNI: the "
+                    "model keeps torch's product (test_the_model_takes_the_head_where_it_can)")
+def test_head_int8() -> None:
+    """Against torch's int8 product within bfloat16's rounding; and each row's logits are
+    the same bits alone, beside other rows, and split over two threads. A vocabulary that is
+    no multiple of four has its last outputs one at a time."""
+    torch.manual_seed(4)
+    vocab, dim = 4099, 576
+    w = torch.randint(-127, 128, (vocab, dim), dtype=torch.int8)
+    w[0] = 127  # the largest sum a row can make: no 32-bit overflow
+    scales = (torch.rand(vocab) * 0.01 + 1e-3).to(BF16)
+    x = torch.randn(6, dim, dtype=BF16)
+    x[5] = 0.0  # a row of zeros gives zeros, not a division by zero
+    x[4, 0] = 1e4  # one large value beside small ones
+    x[3] = x[3].abs() * 2.0 ** 100  # far beyond 16 bits of range: the steps follow the row
+    together = head(x, w, scales, 2)
+    close(together, torch._weight_int8pack_mm(x, w, scales).float())
+    assert torch.equal(together[5], torch.zeros(vocab))
+    for r in range(6):
+        assert torch.equal(head(x[r:r + 1].clone(), w, scales, 1)[0], together[r])
+        assert torch.equal(head(x[r:r + 1].clone(), w, scales, 2)[0], together[r])
+    assert torch.equal(head(x[1:4].clone(), w, scales, 1), together[1:4])

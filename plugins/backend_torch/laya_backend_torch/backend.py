@@ -187,7 +187,8 @@ class TorchBackend(Backend):
             return f"off: {self._model.kernels_off}"
         if self.config.kv_cache_dtype == "f32":
             return "off: they take a 16-bit KV cache (kv_cache_dtype f16 or bf16)"
-        return "laya_torch_kernels (steps without LoRA rows)"
+        head = ", the int8 output head too" if self._model.native_head else ""
+        return f"laya_torch_kernels (steps without LoRA rows{head})"
 
     def load_adapter(self, name: str, path: str) -> None:
         weights = self._adapters.load(name, path)

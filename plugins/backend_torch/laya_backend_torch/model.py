@@ -13,7 +13,9 @@ row as a lone decode of its position.
 On the CPU in bfloat16 the small operations between the products run in laya_torch_kernels
 (``_forward_native``, ``build_batch``'s ``native``): four calls a layer, and every one-token
 query, a decode's or a check's row, attends over its own history, so that a row's logits
-are the same bits in any batch. Prompt chunks still attend through PyTorch.
+are the same bits in any batch. Prompt chunks still attend through PyTorch. Where the CPU
+has AVX512-VNNI the int8 output head runs there too (``native_head``: exact integer sums over
+16-bit steps of each row, the weights prefetched), again a row at a time.
 
 Covers RMSNorm, rotary embeddings (``rope.py``), grouped-query attention, the SwiGLU MLP,
 tied embeddings and Qwen2's q/k/v biases. Weights are in the compute dtype (float32 or
@@ -121,6 +123,15 @@ class LlamaModel:
         if not self.kernels_off and self.kernels is None:
             self.kernels_off = ("laya_torch_kernels is not installed (pip install "
                                 "plugins/backend_torch/kernels)")
+        # The int8 output head on the kernels too, where the CPU has AVX512-VNNI: torch's
+        # product converts every weight to a float and waits on memory (``head_int8``).
+        head = self.lm_head
+        self.native_head = (
+            self.kernels is not None and type(head) is Int8Linear and head.bias is None
+            and head.weight.dtype == torch.int8 and head.scales.dtype == torch.bfloat16
+            and head.weight.is_contiguous() and head.scales.is_contiguous()
+            and c.hidden_size % 32 == 0
+            and bool(getattr(self.kernels, "head_supported", lambda: False)()))
 
     def _kernels_off(self, device: torch.device, dtype: torch.dtype,
                      attention_dtype: torch.dtype) -> str:
@@ -282,7 +293,15 @@ class LlamaModel:
             norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             k.add_rms_norm(hp, down.data_ptr(), norm.data_ptr(), xp, rows, c.hidden_size, eps)
         out = x.index_select(0, batch.logit_rows)  # the final norm's, after the last layer
-        return out.float() if hidden else self.lm_head(out).float()
+        if hidden:
+            return out.float()
+        if not self.native_head:
+            return self.lm_head(out).float()
+        head = self.lm_head
+        logits = torch.empty(out.shape[0], head.weight.shape[0], dtype=torch.float32)
+        k.head_int8(out.data_ptr(), out.shape[0], c.hidden_size, head.weight.data_ptr(),
+                    head.scales.data_ptr(), logits.data_ptr(), logits.shape[1], threads)
+        return logits
 
     def _attend(self, pool: torch.Tensor, q: torch.Tensor, a: Attention) -> torch.Tensor:
         """Attention output [T, heads x head_dim] for every row of ``q`` [T, heads, dim].
