@@ -142,3 +142,8 @@ def test_head_int8() -> None:
         assert torch.equal(head(x[r:r + 1].clone(), w, scales, 1)[0], together[r])
         assert torch.equal(head(x[r:r + 1].clone(), w, scales, 2)[0], together[r])
     assert torch.equal(head(x[1:4].clone(), w, scales, 1), together[1:4])
+    for bad in (float("nan"), float("inf")):  # a row with a NaN or infinity: NaN logits
+        y = x[:2].clone()
+        y[1, 7] = bad
+        logits = head(y, w, scales, 1)
+        assert logits[1].isnan().all() and torch.equal(logits[0], together[0])

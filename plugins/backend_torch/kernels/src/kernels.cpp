@@ -418,7 +418,17 @@ void head_int8(const bf16* x, int64_t rows, int64_t dim, const int8_t* w, const 
   for (int64_t r = 0; r < rows; ++r) {
     const bf16* xr = x + r * dim;
     float largest = 0.0f;
-    for (int64_t i = 0; i < dim; ++i) largest = std::max(largest, std::fabs(to_float(xr[i])));
+    bool finite = true;
+    for (int64_t i = 0; i < dim; ++i) {
+      const float v = to_float(xr[i]);
+      finite = finite && std::isfinite(v);
+      largest = std::max(largest, std::fabs(v));
+    }
+    if (!finite) {  // an infinity or NaN in x: NaN logits, as in floats
+      xscale[r] = std::nanf("");
+      std::fill_n(xq.begin() + r * dim, dim, int16_t{0});
+      continue;
+    }
     const float step = largest > 0.0f ? largest / x_max : 1.0f;
     xscale[r] = step;
     for (int64_t i = 0; i < dim; ++i)
