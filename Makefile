@@ -8,7 +8,7 @@ PORT ?= 8000
 ROUTER_SOURCES := $(shell find plugins/router_nanobind -type f \( -name '*.cpp' -o -name '*.h' \
 	-o -name '*.py' -o -name 'CMakeLists.txt' -o -name 'pyproject.toml' \) -not -path '*/build/*')
 TORCH_KERNEL_SOURCES := $(shell find plugins/backend_torch/kernels -type f \( -name '*.cpp' \
-	-o -name 'CMakeLists.txt' -o -name 'pyproject.toml' \) -not -path '*/build/*')
+	-o -name '*.h' -o -name 'CMakeLists.txt' -o -name 'pyproject.toml' \) -not -path '*/build/*')
 EXAMPLE_SOURCES := $(shell find examples -type f \( -name '*.py' -o -name 'pyproject.toml' \) \
 	-not -path '*/build/*')
 STAMP := $(VENV)/.installed
