@@ -132,6 +132,8 @@ class TorchBackend(Backend):
                                      chunk_rows=ALIKE_ROWS if chosen.deterministic else 0)
         memory.release_freed_heap()  # the load's temporaries, so the plan's weights are RSS
         torch.set_num_threads(chosen.threads)
+        self._threads = chosen.threads
+        self._model.set_threads(chosen.threads)
         self._vocab = cfg.vocab_size
         self._forward = self._model.forward
         if chosen.compile:
@@ -154,6 +156,10 @@ class TorchBackend(Backend):
             # Whether a step's small operations run in laya_torch_kernels (model.py's
             # _forward_native) or as eager PyTorch operations.
             "kernels": self._kernels_report(),
+            # Who multiplies the 4-bit layer matrices: laya_torch_kernels (quant.Q4Linear),
+            # naming its code for this CPU, or torch's int4 kernel; absent without int4.
+            **({"int4_products": self._model.int4_products()} if chosen.quantize == "int4"
+               else {}),
             "torch": torch.__version__, "cpu_capability": options.cpu_capability(),
             "checkpoint": checkpoint.description,
             # Whether a sequence's logits are the same bits in any batch and chunking: the
@@ -329,25 +335,34 @@ class TorchBackend(Backend):
         batch = build_batch(((list(it.tokens), it.start_pos, list(it.block_table))
                              for it in items), rows, self._block_size,
                             self._checks(items, native), native).to(self._device)
-        with torch.inference_mode():
-            logits = self._run(batch, lora_rows)
-            scores = {i: self._score(logits[at:at + len(items[i].score_targets)],
-                                     items[i]) for i, at in scored}
-            picks: list[Sample | str] = []
-            if sampled:
-                index = torch.tensor(sample_at, dtype=torch.long, device=logits.device)
-                picks = sample_rows(logits[index], [self._samplers[items[i].seq_id]
-                                                    for i in sampled],
-                                    [items[i].allowed_tokens for i in sampled])
-            out = [StepResult(None, scores.get(i, ())) for i in range(len(items))]
-            for i, at, pick in zip(sampled, sample_at, picks, strict=True):
-                if isinstance(pick, str):
-                    out[i] = StepResult(None, scores.get(i, ()), pick)
-                    continue
-                sampler = self._samplers[items[i].seq_id]
-                sampler.accept(pick.token_id)
-                out[i] = StepResult(pick, scores.get(i, ()),
-                                    accepted=self._verify(logits, at, items[i], pick, sampler))
+        # PyTorch's own threads only where its operations do a step's work (model.py's
+        # products_native): a prompt chunk's attention, or the products.
+        alone = native and not batch.attention.chunks and self._model.products_native
+        if alone:
+            torch.set_num_threads(1)
+        try:
+            with torch.inference_mode():
+                logits = self._run(batch, lora_rows)
+                scores = {i: self._score(logits[at:at + len(items[i].score_targets)],
+                                         items[i]) for i, at in scored}
+                picks: list[Sample | str] = []
+                if sampled:
+                    index = torch.tensor(sample_at, dtype=torch.long, device=logits.device)
+                    picks = sample_rows(logits[index], [self._samplers[items[i].seq_id]
+                                                        for i in sampled],
+                                        [items[i].allowed_tokens for i in sampled])
+                out = [StepResult(None, scores.get(i, ())) for i in range(len(items))]
+                for i, at, pick in zip(sampled, sample_at, picks, strict=True):
+                    if isinstance(pick, str):
+                        out[i] = StepResult(None, scores.get(i, ()), pick)
+                        continue
+                    sampler = self._samplers[items[i].seq_id]
+                    sampler.accept(pick.token_id)
+                    out[i] = StepResult(pick, scores.get(i, ()),
+                                        accepted=self._verify(logits, at, items[i], pick, sampler))
+        finally:
+            if alone:
+                torch.set_num_threads(self._threads)
         return out
 
     def _checks(self, items: Sequence[StepItem], native: bool) -> set[int]:
@@ -397,7 +412,9 @@ class TorchBackend(Backend):
         logits = self._forward(batch, lora=lora_rows)
         changed = self._governor.record(time.perf_counter() - wall, time.thread_time() - busy)
         if changed is not None:
+            self._threads = changed
             self._torch.set_num_threads(changed)
+            self._model.set_threads(changed)
             log.info("%s: %d of %d torch threads (steps had their thread on a CPU %.0f%% of "
                      "the time)", self.config.name, changed, self._governor.max_threads,
                      100 * (self._governor.last_share or 0))

@@ -20,7 +20,8 @@ has AVX512-VNNI the int8 output head runs there too (``native_head``: exact inte
 Covers RMSNorm, rotary embeddings (``rope.py``), grouped-query attention, the SwiGLU MLP,
 tied embeddings and Qwen2's q/k/v biases. Weights are in the compute dtype (float32 or
 bfloat16/float16), int8 per output channel (``quant.Int8Linear``), or the layers' in int4
-groups (``quant.Int4Linear``) with the output head in int8.
+groups (``quant.Q4Linear`` on the kernels, else ``quant.Int4Linear``) with the output head
+in int8.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from laya_backend_torch.checkpoint import LlamaConfig
 from laya_backend_torch.lora import LoraRows
 from laya_backend_torch.lora import apply as apply_lora
 from laya_backend_torch.packed import GroupQuant
-from laya_backend_torch.quant import Int8Linear, Linear, dense, linear_kind
+from laya_backend_torch.quant import Int8Linear, Linear, Q4Linear, dense, linear_kind
 from laya_backend_torch.rope import cos_sin_table, rotate, signed
 
 
@@ -125,6 +126,8 @@ class LlamaModel:
                                 "plugins/backend_torch/kernels)")
         # The int8 output head on the kernels too, where the CPU has AVX512-VNNI: torch's
         # product converts every weight to a float and waits on memory (``head_int8``).
+        self.threads = torch.get_num_threads()  # the kernels' (set_threads)
+        self._layers_q4 = all(isinstance(m, Q4Linear) for m in self._layer_matrices())
         head = self.lm_head
         self.native_head = (
             self.kernels is not None and type(head) is Int8Linear and head.bias is None
@@ -132,6 +135,36 @@ class LlamaModel:
             and head.weight.is_contiguous() and head.scales.is_contiguous()
             and c.hidden_size % 32 == 0
             and bool(getattr(self.kernels, "head_supported", lambda: False)()))
+
+    def set_threads(self, threads: int) -> None:
+        """The threads the kernels' products and attention take (the backend's n_threads,
+        or what the thread governor leaves it)."""
+        self.threads = threads
+        for linear in self._linears():
+            linear.threads = threads
+
+    @property
+    def products_native(self) -> bool:
+        """Whether a native step's every matrix product runs in the kernels (the layers'
+        4-bit ones and the head): PyTorch's own threads then have nothing to share out but
+        sampling, whose operations are no faster on two threads (argmax and softmax over
+        49,152 logits: 111 us on one or two, Intel Xeon with AMX), and whose OpenMP threads,
+        spinning after each, would take the cores from the kernels' workers."""
+        return self.native_head and self._layers_q4
+
+    def int4_products(self) -> str:
+        """Who multiplies the layers' 4-bit matrices (/ready's ``int4_products``)."""
+        matrices = self._layer_matrices()
+        q4 = [m for m in matrices if isinstance(m, Q4Linear)]
+        if not q4:
+            return "torch's int4 kernel"
+        rest = "" if len(q4) == len(matrices) else \
+            f" ({len(matrices) - len(q4)} of {len(matrices)} matrices on torch's or in int8)"
+        return f"laya_torch_kernels ({q4[0].kernels.q4_path()}){rest}"
+
+    def _layer_matrices(self) -> list[Linear]:
+        return [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up,
+                                                     layer.down)]
 
     def _kernels_off(self, device: torch.device, dtype: torch.dtype,
                      attention_dtype: torch.dtype) -> str:
@@ -155,9 +188,7 @@ class LlamaModel:
         return self.kernels is not None and self.kv_pool.dtype in (torch.bfloat16, torch.float16)
 
     def _linears(self) -> list[Linear]:
-        return [self.lm_head, self.embed, *(m for layer in self.layers
-                                            for m in (layer.qkv, layer.o, layer.gate_up,
-                                                      layer.down))]
+        return [self.lm_head, self.embed, *self._layer_matrices()]
 
     def _dense(self, t: torch.Tensor) -> torch.Tensor:
         return dense(t, self.dtype, self.device)
@@ -266,7 +297,7 @@ class LlamaModel:
         spec = 0 if a.lone_rows is None else a.lone_rows.data_ptr()
         histories = 0 if a.lone_histories is None else a.lone_histories.data_ptr()
         cos, sin = self.cos.data_ptr(), self.signed_sin.data_ptr()
-        threads, scale, eps = torch.get_num_threads(), c.head_dim ** -0.5, c.rms_norm_eps
+        threads, scale, eps = self.threads, c.head_dim ** -0.5, c.rms_norm_eps
         width = c.num_heads + 2 * c.num_kv_heads
         hp, xp, ap = h.data_ptr(), x.data_ptr(), attended.data_ptr()
         k.add_rms_norm(hp, 0, self.layers[0].input_norm.data_ptr(), xp, rows, c.hidden_size,

@@ -26,8 +26,8 @@ inline bf16 to_bf16(float f) {  // round to nearest even, as torch's cast does
   return static_cast<bf16>(u >> 16);
 }
 
-// Below this many multiply-adds a call stays on its thread: starting one costs tens of
-// microseconds, about what 0.5 M multiply-adds take.
-constexpr int64_t kThreadWork = 1 << 21;
+// Below this many multiply-adds a product stays on the calling thread even with the pool's
+// workers spinning (pool.h): handing work over costs about a microsecond.
+constexpr int64_t kPoolWork = 1 << 16;
 
 }  // namespace laya

@@ -1,8 +1,9 @@
 #include "head.h"
 
+#include "pool.h"
+
 #include <algorithm>
 #include <cmath>
-#include <thread>
 #include <vector>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -118,19 +119,28 @@ void head_int8(const bf16* x, int64_t rows, int64_t dim, const int8_t* w, const 
     for (int64_t i = 0; i < dim; ++i)
       xq[r * dim + i] = static_cast<int16_t>(std::nearbyint(to_float(xr[i]) / step));
   }
-  threads = std::max<int64_t>(1, std::min(threads, vocab / 64));
-  if (threads <= 1 || rows * vocab * dim < kThreadWork) {
-    head_range(xq.data(), xscale.data(), rows, dim, w, scales, out, vocab, 0, vocab);
-    return;
-  }
-  // Outputs in contiguous shares, multiples of four; each thread writes its own columns.
-  auto bound = [&](int64_t t) { return t == threads ? vocab : vocab * t / threads / 4 * 4; };
-  std::vector<std::thread> pool;
-  for (int64_t t = 1; t < threads; ++t)
-    pool.emplace_back(head_range, xq.data(), xscale.data(), rows, dim, w, scales, out, vocab,
-                      bound(t), bound(t + 1));
-  head_range(xq.data(), xscale.data(), rows, dim, w, scales, out, vocab, 0, bound(1));
-  for (auto& t : pool) t.join();
+  // Outputs in chunks of multiples of four, a few a thread, claimed in order (pool.h); each
+  // chunk writes its own columns.
+  struct Share {
+    const int16_t* xq;
+    const float* xscale;
+    int64_t rows, dim;
+    const int8_t* w;
+    const bf16* scales;
+    float* out;
+    int64_t vocab, chunk;
+  };
+  threads = std::max<int64_t>(1, threads);
+  const int64_t tasks = rows * vocab * dim < kPoolWork ? 1 : std::min(threads * 4, vocab / 64);
+  const Share share{xq.data(), xscale.data(), rows, dim, w, scales, out, vocab,
+                    ((vocab + tasks - 1) / tasks + 3) / 4 * 4};
+  run_tasks(
+      [](const void* args, int64_t i) {
+        const Share& s = *static_cast<const Share*>(args);
+        head_range(s.xq, s.xscale, s.rows, s.dim, s.w, s.scales, s.out, s.vocab, i * s.chunk,
+                   std::min(s.vocab, (i + 1) * s.chunk));
+      },
+      &share, (vocab + share.chunk - 1) / share.chunk, threads);
 }
 
 }  // namespace laya

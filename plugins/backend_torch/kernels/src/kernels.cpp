@@ -22,11 +22,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <thread>
 #include <vector>
 
 #include "common.h"
 #include "head.h"
+#include "pool.h"
+#include "q4.h"
 
 namespace nb = nanobind;
 
@@ -302,16 +303,24 @@ void attend(const AttendArgs& a, int64_t n, int64_t threads) {
   work *= 2 * a.heads * a.dim;
   const int64_t tasks = n * a.kv_heads;
   threads = std::min(threads, tasks);
-  if (threads <= 1 || work < kThreadWork) {
+  if (threads <= 1 || work < kPoolWork) {
     attend_range(a, 0, tasks);
     return;
   }
-  // Tasks (a row's K/V head) in contiguous shares; each writes its own outputs.
-  std::vector<std::thread> pool;
-  for (int64_t t = 1; t < threads; ++t)
-    pool.emplace_back(attend_range, std::cref(a), tasks * t / threads, tasks * (t + 1) / threads);
-  attend_range(a, 0, tasks / threads);
-  for (auto& t : pool) t.join();
+  // Tasks (a row's K/V head) in a few chunks a thread, claimed in order (pool.h); each
+  // writes its own outputs.
+  struct Share {
+    const AttendArgs* a;
+    int64_t tasks, chunk;
+  };
+  const int64_t chunks = std::min(tasks, threads * 4);
+  const Share share{&a, tasks, (tasks + chunks - 1) / chunks};
+  run_tasks(
+      [](const void* args, int64_t i) {
+        const Share& s = *static_cast<const Share*>(args);
+        attend_range(*s.a, i * s.chunk, std::min(s.tasks, (i + 1) * s.chunk));
+      },
+      &share, (tasks + share.chunk - 1) / share.chunk, threads);
 }
 
 template <typename T>
@@ -383,4 +392,30 @@ NB_MODULE(laya_torch_kernels, m) {
       "x [rows, dim] bfloat16 (dim a multiple of 32), w [vocab, dim] int8, scales [vocab] "
       "bfloat16, out [rows, vocab] float32: out = bf16(x @ w.T * scales), as float32, x in "
       "16-bit steps of its row's largest value. Only where head_supported().");
+  m.def("q4_path", &laya::q4_path,
+        "The code that runs q4_product on this CPU: 'avx512-vnni', 'avx2', or '' (none).");
+  m.def("q4_row_bytes", &laya::q4_row_bytes, "in: the bytes of a row of q4_product's layout.");
+  m.def(
+      "q4_order",
+      [](int64_t in, uintptr_t out) {
+        const std::vector<int32_t> order = laya::q4_order(in);
+        std::memcpy(at<int32_t>(out), order.data(), order.size() * sizeof(int32_t));
+      },
+      "in, out [in] int32: the input of each stored 4-bit value of a row, in storing order.");
+  m.def(
+      "q4_product",
+      [](uintptr_t x, int64_t rows, int64_t in, uintptr_t w, int64_t n, uintptr_t out,
+         int64_t threads, bool avx2) {
+        if (in <= 0 || in % 64 || in > (int64_t{1} << 20))
+          throw nb::value_error("q4_product takes inputs in multiples of 64, up to 2^20");
+        if (!*laya::q4_path()) throw nb::value_error("q4_product needs AVX2, FMA and F16C");
+        nb::gil_scoped_release release;
+        laya::q4_product(at<const bf16>(x), rows, in, at<const uint8_t>(w), n, at<bf16>(out),
+                         threads, avx2);
+      },
+      nb::arg("x"), nb::arg("rows"), nb::arg("in_features"), nb::arg("w"), nb::arg("n"),
+      nb::arg("out"), nb::arg("threads"), nb::arg("avx2") = false,
+      "x [rows, in] bfloat16, w [n, q4_row_bytes(in)] uint8, out [rows, n] bfloat16: out = "
+      "x @ w.T, x in 16-bit steps of each group's largest value; avx2 takes the AVX2 code "
+      "where AVX-512's would run.");
 }
