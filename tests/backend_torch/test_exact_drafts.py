@@ -124,9 +124,9 @@ def test_a_sequence_alone_answers_alike_with_drafts(native: bool) -> None:
 
 
 def test_the_model_takes_the_head_where_it_can() -> None:
-    """The int8 output head runs on the kernels where the CPU has AVX512-VNNI (/ready says
-    so), and its logits are torch's product's within bfloat16's rounding; elsewhere the
-    model keeps torch's."""
+    """The int8 output head runs on the kernels where the CPU has AVX2 (/ready says so), and
+    its logits are torch's product's within bfloat16's rounding; elsewhere the model keeps
+    torch's."""
     import laya_torch_kernels
 
     before = torch.get_num_threads()

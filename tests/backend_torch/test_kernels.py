@@ -1,8 +1,9 @@
 """laya_torch_kernels (plugins/backend_torch/kernels) against PyTorch's operations: each
 kernel gives what the eager operations it replaces give, within bfloat16's rounding, on
 bfloat16 and float16 KV pools; attention split over threads gives the bits of one thread.
-The int8 output head runs on CPUs with AVX512-VNNI (both kinds CI runs on); elsewhere the
-model keeps torch's product, which the last test checks."""
+The int8 output head runs on CPUs with AVX2 (both kinds CI runs on; the Xeon's AVX512-VNNI
+code and the AVX2 code are both tested there); elsewhere the model keeps torch's product,
+which test_exact_drafts checks."""
 
 from __future__ import annotations
 
@@ -113,19 +114,24 @@ def test_a_single_key_gives_its_value_exactly(pool_dtype: torch.dtype) -> None:
     assert torch.equal(out.view(heads, dim), want)
 
 
-def head(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, threads: int) -> torch.Tensor:
-    out = torch.empty(x.shape[0], w.shape[0])
-    kernels.head_int8(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), scales.data_ptr(),
-                      out.data_ptr(), w.shape[0], threads)
-    return out
+def test_the_cpu_runs_the_head() -> None:
+    assert kernels.head_supported()  # AVX2: both kinds of CPU CI runs on
 
 
-@pytest.mark.skipif(not kernels.head_supported(), reason="this CPU lacks AVX512-VNNI: the "
-                    "model keeps torch's product (test_the_model_takes_the_head_where_it_can)")
-def test_head_int8() -> None:
+@pytest.mark.parametrize("avx2", [False, True], ids=["best", "avx2"])
+def test_head_int8(avx2: bool) -> None:
     """Against torch's int8 product within bfloat16's rounding; and each row's logits are
     the same bits alone, beside other rows, and split over two threads. A vocabulary that is
-    no multiple of four has its last outputs one at a time."""
+    no multiple of four has its last outputs one at a time. The AVX2 code's logits are the
+    bits of the AVX-512 code's (exact integer sums)."""
+
+    def head(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
+             threads: int) -> torch.Tensor:
+        out = torch.empty(x.shape[0], w.shape[0])
+        kernels.head_int8(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(),
+                          scales.data_ptr(), out.data_ptr(), w.shape[0], threads, avx2)
+        return out
+
     torch.manual_seed(4)
     vocab, dim = 4099, 576
     w = torch.randint(-127, 128, (vocab, dim), dtype=torch.int8)
@@ -147,3 +153,7 @@ def test_head_int8() -> None:
         y[1, 7] = bad
         logits = head(y, w, scales, 1)
         assert logits[1].isnan().all() and torch.equal(logits[0], together[0])
+    best = torch.empty_like(together)
+    kernels.head_int8(x.data_ptr(), 6, dim, w.data_ptr(), scales.data_ptr(), best.data_ptr(),
+                      vocab, 2)
+    assert torch.equal(best, together)

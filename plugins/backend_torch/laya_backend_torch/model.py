@@ -14,8 +14,9 @@ On the CPU in bfloat16 the small operations between the products run in laya_tor
 (``_forward_native``, ``build_batch``'s ``native``): four calls a layer, and every one-token
 query, a decode's or a check's row, attends over its own history, so that a row's logits
 are the same bits in any batch. Prompt chunks still attend through PyTorch. Where the CPU
-has AVX512-VNNI the int8 output head runs there too (``native_head``: exact integer sums over
-16-bit steps of each row, the weights prefetched), again a row at a time.
+has AVX2 the int8 output head runs there too (``native_head``: exact integer sums over
+16-bit steps of each row, the weights prefetched), again a row at a time, as do the layers'
+4-bit products on any path (``quant.Q4Linear``).
 
 Covers RMSNorm, rotary embeddings (``rope.py``), grouped-query attention, the SwiGLU MLP,
 tied embeddings and Qwen2's q/k/v biases. Weights are in the compute dtype (float32 or
@@ -124,8 +125,8 @@ class LlamaModel:
         if not self.kernels_off and self.kernels is None:
             self.kernels_off = ("laya_torch_kernels is not installed (pip install "
                                 "plugins/backend_torch/kernels)")
-        # The int8 output head on the kernels too, where the CPU has AVX512-VNNI: torch's
-        # product converts every weight to a float and waits on memory (``head_int8``).
+        # The int8 output head on the kernels too, where the CPU has AVX2: torch's product
+        # converts every weight to a float and waits on memory (``head_int8``).
         self.threads = torch.get_num_threads()  # the kernels' (set_threads)
         self._layers_q4 = all(isinstance(m, Q4Linear) for m in self._layer_matrices())
         head = self.lm_head

@@ -22,8 +22,8 @@ namespace {
 // vpdpwssd, 32 a instruction, into 32-bit integer sums, and they are asked for 8 KB ahead.
 // The sums are exact, so a logit does not depend on the order, the tile or the rows beside
 // it; the one rounding besides bfloat16's is x's to kXMax steps, under 2^-15 of the row's
-// largest value, where bfloat16 itself keeps 2^-9 of each value. AVX512-VNNI only;
-// elsewhere the backend keeps torch's product.
+// largest value, where bfloat16 itself keeps 2^-9 of each value. On AVX512-VNNI, or on
+// AVX2 (below); elsewhere the backend keeps torch's product.
 #if defined(__x86_64__)
 #define VNNI_KERNEL __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
@@ -62,10 +62,82 @@ VNNI_KERNEL void head_rows(const int16_t* xq, const float* xscale, int64_t dim, 
   for (; n < last; ++n) head_tile<1, T>(xq, xscale, dim, w, scales, out, vocab, n, r);
 }
 
+#define AVX2_KERNEL __attribute__((target("avx2")))
+
+// The same sums on AVX2: sixteen products a vpmaddwd, added in 32-bit integers. Integer sums
+// are exact, so the logits are the bits of the AVX-512 code's.
+template <int R, int T>
+AVX2_KERNEL INLINE void head_tile_avx2(const int16_t* xq, const float* xscale, int64_t dim,
+                                       const int8_t* w, const bf16* scales, float* out,
+                                       int64_t vocab, int64_t n, int64_t r) {
+  __m256i acc[R][T];
+  for (int i = 0; i < R; ++i)
+    for (int t = 0; t < T; ++t) acc[i][t] = _mm256_setzero_si256();
+  for (int64_t k = 0; k < dim; k += 16) {
+    __m256i xs[T];
+    for (int t = 0; t < T; ++t)
+      xs[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (r + t) * dim + k));
+    for (int i = 0; i < R; ++i) {
+      const int8_t* wi = w + (n + i) * dim + k;
+      if (k % 32 == 0) _mm_prefetch(reinterpret_cast<const char*>(wi) + 8192, _MM_HINT_T0);
+      const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wi)));
+      for (int t = 0; t < T; ++t)
+        acc[i][t] = _mm256_add_epi32(acc[i][t], _mm256_madd_epi16(wv, xs[t]));
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    const float s = to_float(scales[n + i]);
+    for (int t = 0; t < T; ++t) {
+      __m128i q = _mm_add_epi32(_mm256_castsi256_si128(acc[i][t]),
+                                _mm256_extracti128_si256(acc[i][t], 1));
+      q = _mm_add_epi32(q, _mm_shuffle_epi32(q, 0x4e));
+      q = _mm_add_epi32(q, _mm_shuffle_epi32(q, 0xb1));
+      const float sum = static_cast<float>(_mm_cvtsi128_si32(q));
+      out[(r + t) * vocab + n + i] = to_float(to_bf16(sum * xscale[r + t] * s));
+    }
+  }
+}
+
+AVX2_KERNEL void head_range_avx2(const int16_t* xq, const float* xscale, int64_t rows,
+                                 int64_t dim, const int8_t* w, const bf16* scales, float* out,
+                                 int64_t vocab, int64_t first, int64_t last) {
+  for (int64_t r = 0; r < rows; r += 2) {
+    const bool two = rows - r >= 2;
+    int64_t n = first;
+    for (; n + 4 <= last; n += 4) {
+      if (two)
+        head_tile_avx2<4, 2>(xq, xscale, dim, w, scales, out, vocab, n, r);
+      else
+        head_tile_avx2<4, 1>(xq, xscale, dim, w, scales, out, vocab, n, r);
+    }
+    for (; n < last; ++n) {
+      if (two)
+        head_tile_avx2<1, 2>(xq, xscale, dim, w, scales, out, vocab, n, r);
+      else
+        head_tile_avx2<1, 1>(xq, xscale, dim, w, scales, out, vocab, n, r);
+    }
+  }
+}
+
+bool has_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+}
+
+bool has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2");
+}
+
 // Outputs first .. last of every row, in tiles of up to four rows of x.
 void head_range(const int16_t* xq, const float* xscale, int64_t rows, int64_t dim,
                 const int8_t* w, const bf16* scales, float* out, int64_t vocab, int64_t first,
-                int64_t last) {
+                int64_t last, bool avx2) {
+  static const bool vnni = has_vnni();
+  if (avx2 || !vnni) {
+    head_range_avx2(xq, xscale, rows, dim, w, scales, out, vocab, first, last);
+    return;
+  }
   for (int64_t r = 0; r < rows; r += 4) {
     switch (std::min<int64_t>(4, rows - r)) {
       case 4: head_rows<4>(xq, xscale, dim, w, scales, out, vocab, first, last, r); break;
@@ -78,22 +150,17 @@ void head_range(const int16_t* xq, const float* xscale, int64_t rows, int64_t di
 
 #else
 void head_range(const int16_t*, const float*, int64_t, int64_t, const int8_t*, const bf16*,
-                float*, int64_t, int64_t, int64_t) {}
+                float*, int64_t, int64_t, int64_t, bool) {}
+bool has_vnni() { return false; }
+bool has_avx2() { return false; }
 #endif
 
 }  // namespace
 
-bool head_supported() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
-#else
-  return false;
-#endif
-}
+bool head_supported() { return has_avx2(); }
 
 void head_int8(const bf16* x, int64_t rows, int64_t dim, const int8_t* w, const bf16* scales,
-               float* out, int64_t vocab, int64_t threads) {
+               float* out, int64_t vocab, int64_t threads, bool avx2) {
   // x's integer steps: as fine as 16 bits allow while a 32-bit sum of dim products of
   // |w| <= 127 cannot overflow.
   const float x_max = static_cast<float>(
@@ -129,16 +196,17 @@ void head_int8(const bf16* x, int64_t rows, int64_t dim, const int8_t* w, const 
     const bf16* scales;
     float* out;
     int64_t vocab, chunk;
+    bool avx2;
   };
   threads = std::max<int64_t>(1, threads);
   const int64_t tasks = rows * vocab * dim < kPoolWork ? 1 : std::min(threads * 4, vocab / 64);
   const Share share{xq.data(), xscale.data(), rows, dim, w, scales, out, vocab,
-                    ((vocab + tasks - 1) / tasks + 3) / 4 * 4};
+                    ((vocab + tasks - 1) / tasks + 3) / 4 * 4, avx2};
   run_tasks(
       [](const void* args, int64_t i) {
         const Share& s = *static_cast<const Share*>(args);
         head_range(s.xq, s.xscale, s.rows, s.dim, s.w, s.scales, s.out, s.vocab, i * s.chunk,
-                   std::min(s.vocab, (i + 1) * s.chunk));
+                   std::min(s.vocab, (i + 1) * s.chunk), s.avx2);
       },
       &share, (vocab + share.chunk - 1) / share.chunk, threads);
 }

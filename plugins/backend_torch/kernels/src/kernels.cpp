@@ -380,18 +380,22 @@ NB_MODULE(laya_torch_kernels, m) {
       "n one-token queries (spec [n, 3]: row, offset into histories, length) over their "
       "histories' pool slots; each writes out[row].");
   m.def("head_supported", &laya::head_supported,
-        "Whether this CPU runs head_int8 (AVX512-BW and AVX512-VNNI).");
+        "Whether this CPU runs head_int8 (AVX2; AVX512-VNNI where it has it).");
   m.def(
       "head_int8",
       [](uintptr_t x, int64_t rows, int64_t dim, uintptr_t w, uintptr_t scales, uintptr_t out,
-         int64_t vocab, int64_t threads) {
+         int64_t vocab, int64_t threads, bool avx2) {
+        if (!laya::head_supported()) throw nb::value_error("head_int8 needs AVX2");
         nb::gil_scoped_release release;
-        laya::head_int8(at<const bf16>(x), rows, dim, at<const int8_t>(w), at<const bf16>(scales),
-                  at<float>(out), vocab, threads);
+        laya::head_int8(at<const bf16>(x), rows, dim, at<const int8_t>(w),
+                        at<const bf16>(scales), at<float>(out), vocab, threads, avx2);
       },
+      nb::arg("x"), nb::arg("rows"), nb::arg("dim"), nb::arg("w"), nb::arg("scales"),
+      nb::arg("out"), nb::arg("vocab"), nb::arg("threads"), nb::arg("avx2") = false,
       "x [rows, dim] bfloat16 (dim a multiple of 32), w [vocab, dim] int8, scales [vocab] "
       "bfloat16, out [rows, vocab] float32: out = bf16(x @ w.T * scales), as float32, x in "
-      "16-bit steps of its row's largest value. Only where head_supported().");
+      "16-bit steps of its row's largest value; avx2 takes the AVX2 code where AVX-512's "
+      "would run.");
   m.def("q4_path", &laya::q4_path,
         "The code that runs q4_product on this CPU: 'avx512-vnni', 'avx2', or '' (none).");
   m.def("q4_row_bytes", &laya::q4_row_bytes, "in: the bytes of a row of q4_product's layout.");
