@@ -304,7 +304,7 @@ def test_a_cuda_device_plans_the_layers_dense(checkpoints: dict[str, Path],
                               "--gpus", "24GiB", str(manifest)],
                              capture_output=True, text=True, timeout=120)
         (plans[device],) = json.loads(run.stdout)["replicas"]
-    assert "int4 layer matrices (a bfloat16 scale and zero per 32)" in \
+    assert "int4 layer matrices (a 16-bit scale and zero per 32)" in \
         plans["cpu"]["weights_source"]
     assert plans["cuda"]["weights_source"].endswith("loaded as bfloat16, every tensor")
     # Dense bfloat16 matrices against half a byte and a 4-byte pair per 32 inputs.

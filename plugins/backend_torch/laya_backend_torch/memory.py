@@ -132,8 +132,9 @@ def weight_bytes(config: ModelConfig, c: LlamaConfig, quantize: str,
     if quantize != "none":
         # The output head in int8 with a bfloat16 scale per row; an untied input embedding
         # stays dense. The layers' matrices in int8 too, or in int4: half a byte an element
-        # and a bfloat16 scale and zero per 32 (a matrix the int4 kernel cannot take,
-        # quant.int4_fits, is int8: none in the Llama shapes this is planned for).
+        # and a 16-bit scale and zero per 32 (quant.Q4Linear's float16 scale and minimum, or
+        # Int4Linear's bfloat16 pair; a matrix neither takes, quant.int4_fits, is int8: none
+        # in the Llama shapes this is planned for).
         dense = 0 if c.tie_word_embeddings else embedding * size
         head = embedding + c.vocab_size * 2
         if quantize == "int8":
@@ -141,7 +142,7 @@ def weight_bytes(config: ModelConfig, c: LlamaConfig, quantize: str,
             how = "int8 matrices (one bfloat16 scale per row)"
         else:
             layers = matrices // 2 + matrices // group * 4
-            how = (f"int4 layer matrices (a bfloat16 scale and zero per {group}) and an int8 "
+            how = (f"int4 layer matrices (a 16-bit scale and zero per {group}) and an int8 "
                    "output head")
         return layers + head + dense + vectors * size, f"{dtype} with {how}"
     embeddings = embedding * (1 if c.tie_word_embeddings else 2)
