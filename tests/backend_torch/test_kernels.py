@@ -157,3 +157,17 @@ def test_head_int8(avx2: bool) -> None:
     kernels.head_int8(x.data_ptr(), 6, dim, w.data_ptr(), scales.data_ptr(), best.data_ptr(),
                       vocab, 2)
     assert torch.equal(best, together)
+
+
+def test_head_int8_with_fewer_than_64_outputs() -> None:
+    """A head of fewer than 64 outputs but work enough for the kept threads: one chunk, not
+    a division by zero chunks."""
+    torch.manual_seed(5)
+    vocab, dim = 40, 4096
+    w = torch.randint(-127, 128, (vocab, dim), dtype=torch.int8)
+    scales = (torch.rand(vocab) * 0.01 + 1e-3).to(BF16)
+    x = torch.randn(1, dim, dtype=BF16)
+    out = torch.empty(1, vocab)
+    kernels.head_int8(x.data_ptr(), 1, dim, w.data_ptr(), scales.data_ptr(), out.data_ptr(),
+                      vocab, 2)
+    close(out, torch._weight_int8pack_mm(x, w, scales).float())

@@ -132,7 +132,6 @@ class TorchBackend(Backend):
                                      chunk_rows=ALIKE_ROWS if chosen.deterministic else 0)
         memory.release_freed_heap()  # the load's temporaries, so the plan's weights are RSS
         torch.set_num_threads(chosen.threads)
-        self._threads = chosen.threads
         self._model.set_threads(chosen.threads)
         self._vocab = cfg.vocab_size
         self._forward = self._model.forward
@@ -362,7 +361,7 @@ class TorchBackend(Backend):
                                         accepted=self._verify(logits, at, items[i], pick, sampler))
         finally:
             if alone:
-                torch.set_num_threads(self._threads)
+                torch.set_num_threads(self._model.threads)
         return out
 
     def _checks(self, items: Sequence[StepItem], native: bool) -> set[int]:
@@ -412,7 +411,6 @@ class TorchBackend(Backend):
         logits = self._forward(batch, lora=lora_rows)
         changed = self._governor.record(time.perf_counter() - wall, time.thread_time() - busy)
         if changed is not None:
-            self._threads = changed
             self._torch.set_num_threads(changed)
             self._model.set_threads(changed)
             log.info("%s: %d of %d torch threads (steps had their thread on a CPU %.0f%% of "

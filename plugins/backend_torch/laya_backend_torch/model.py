@@ -127,7 +127,7 @@ class LlamaModel:
                                 "plugins/backend_torch/kernels)")
         # The int8 output head on the kernels too, where the CPU has AVX2: torch's product
         # converts every weight to a float and waits on memory (``head_int8``).
-        self.threads = torch.get_num_threads()  # the kernels' (set_threads)
+        self.set_threads(torch.get_num_threads())
         self._layers_q4 = all(isinstance(m, Q4Linear) for m in self._layer_matrices())
         head = self.lm_head
         self.native_head = (

@@ -266,6 +266,9 @@ class Q4Linear(Int8Linear):
     are the same bits for a row in any batch. Other matrices (act-order, GPTQ or AWQ groups
     other than 32, scales beyond float16) stay Int4Linear."""
 
+    kernels: Any  # laya_torch_kernels (q4_kernels)
+    in_features: int
+
     @classmethod
     def of(cls, weight: Weight, bias: torch.Tensor | None, dtype: torch.dtype,
            device: torch.device) -> Int8Linear:

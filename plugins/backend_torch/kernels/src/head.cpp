@@ -80,7 +80,8 @@ AVX2_KERNEL INLINE void head_tile_avx2(const int16_t* xq, const float* xscale, i
     for (int i = 0; i < R; ++i) {
       const int8_t* wi = w + (n + i) * dim + k;
       if (k % 32 == 0) _mm_prefetch(reinterpret_cast<const char*>(wi) + 8192, _MM_HINT_T0);
-      const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wi)));
+      const __m256i wv =
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wi)));
       for (int t = 0; t < T; ++t)
         acc[i][t] = _mm256_add_epi32(acc[i][t], _mm256_madd_epi16(wv, xs[t]));
     }
@@ -119,21 +120,11 @@ AVX2_KERNEL void head_range_avx2(const int16_t* xq, const float* xscale, int64_t
   }
 }
 
-bool has_vnni() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
-}
-
-bool has_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2");
-}
-
 // Outputs first .. last of every row, in tiles of up to four rows of x.
 void head_range(const int16_t* xq, const float* xscale, int64_t rows, int64_t dim,
                 const int8_t* w, const bf16* scales, float* out, int64_t vocab, int64_t first,
                 int64_t last, bool avx2) {
-  static const bool vnni = has_vnni();
+  static const bool vnni = cpu_avx512_vnni();
   if (avx2 || !vnni) {
     head_range_avx2(xq, xscale, rows, dim, w, scales, out, vocab, first, last);
     return;
@@ -151,13 +142,11 @@ void head_range(const int16_t* xq, const float* xscale, int64_t rows, int64_t di
 #else
 void head_range(const int16_t*, const float*, int64_t, int64_t, const int8_t*, const bf16*,
                 float*, int64_t, int64_t, int64_t, bool) {}
-bool has_vnni() { return false; }
-bool has_avx2() { return false; }
 #endif
 
 }  // namespace
 
-bool head_supported() { return has_avx2(); }
+bool head_supported() { return cpu_avx2(); }
 
 void head_int8(const bf16* x, int64_t rows, int64_t dim, const int8_t* w, const bf16* scales,
                float* out, int64_t vocab, int64_t threads, bool avx2) {
@@ -199,7 +188,9 @@ void head_int8(const bf16* x, int64_t rows, int64_t dim, const int8_t* w, const 
     bool avx2;
   };
   threads = std::max<int64_t>(1, threads);
-  const int64_t tasks = rows * vocab * dim < kPoolWork ? 1 : std::min(threads * 4, vocab / 64);
+  const int64_t tasks = rows * vocab * dim < kPoolWork
+                            ? 1
+                            : std::max<int64_t>(1, std::min(threads * 4, vocab / 64));
   const Share share{xq.data(), xscale.data(), rows, dim, w, scales, out, vocab,
                     ((vocab + tasks - 1) / tasks + 3) / 4 * 4, avx2};
   run_tasks(

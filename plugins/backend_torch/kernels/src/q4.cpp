@@ -337,27 +337,14 @@ void product_task(const void* args, int64_t i) {
   }
 }
 
-bool has_avx512() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni") &&
-         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("f16c");
-}
-
-bool has_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
-}
 #else
 template <bool kAvx2>
 void product_task(const void*, int64_t) {}
-bool has_avx512() { return false; }
-bool has_avx2() { return false; }
 #endif
 
 }  // namespace
 
-const char* q4_path() { return has_avx512() ? "avx512-vnni" : has_avx2() ? "avx2" : ""; }
+const char* q4_path() { return cpu_avx512_vnni() ? "avx512-vnni" : cpu_avx2() ? "avx2" : ""; }
 
 int64_t q4_row_bytes(int64_t in) { return in / 2 + 4 * (in / 32); }
 
@@ -411,7 +398,7 @@ void q4_product(const bf16* x, int64_t rows, int64_t in, const uint8_t* w, int64
   // Output rows in chunks of multiples of 4, a few a thread, claimed in order.
   const int64_t tasks = alone ? 1 : std::min<int64_t>(threads * 4, (n + 3) / 4);
   a.chunk = ((n + tasks - 1) / tasks + 3) / 4 * 4;
-  static const bool avx512 = has_avx512();
+  static const bool avx512 = cpu_avx512_vnni();
   run_tasks(avx2 || !avx512 ? product_task<true> : product_task<false>, &a,
             (n + a.chunk - 1) / a.chunk, alone ? 1 : threads);
 }
